@@ -1,0 +1,1 @@
+"""warmgate supervisor: HTTP gateway, engine manager, admin, metrics and the CLI."""

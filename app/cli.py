@@ -1,0 +1,121 @@
+"""The `warmgate` command line. Heavy imports (torch, transformers) happen inside subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+SCHEMES = ("bf16", "fp8-block", "fp8-channel", "fp8-tensor")
+FP8_SCHEMES = SCHEMES[1:]
+SHAPES = ("smollm2-135m", "qwen3-0.6b", "llama3-8b", "llama3-70b")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="warmgate", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    model = commands.add_parser("model", help="make, quantize and check checkpoints")
+    model_cmds = model.add_subparsers(dest="model_command", required=True)
+
+    demo = model_cmds.add_parser("demo", help="build the SmolLM2-135M-Instruct demo checkpoint (offline)")
+    demo.add_argument("--out", type=Path, help="output directory (default: the warmgate cache dir)")
+    demo.add_argument("--scheme", choices=SCHEMES, default="bf16")
+    demo.add_argument("--quiet", action="store_true", help="no progress bars")
+    demo.set_defaults(run=_demo)
+
+    quant = model_cmds.add_parser("quantize", help="write a compressed-tensors FP8 W8A8 checkpoint")
+    quant.add_argument("src", type=Path)
+    quant.add_argument("out", type=Path)
+    quant.add_argument("--scheme", choices=FP8_SCHEMES, required=True)
+    quant.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    quant.add_argument("--quiet", action="store_true")
+    quant.set_defaults(run=_quantize)
+
+    synth = model_cmds.add_parser("synth", help="random weights of a real model shape (benchmarks only)")
+    synth.add_argument("out", type=Path)
+    synth.add_argument("--shape", choices=SHAPES, required=True)
+    synth.add_argument("--scheme", choices=SCHEMES, default="fp8-block")
+    synth.add_argument("--layers", type=int, help="fewer layers than the real model (same widths)")
+    synth.add_argument("--device", default="cpu", help="where to generate and quantize (cpu, cuda)")
+    synth.add_argument("--tokenizer", type=Path, help="tokenizer files to copy (default: the demo's, if built)")
+    synth.add_argument("--seed", type=int, default=0)
+    synth.add_argument("--force", action="store_true")
+    synth.add_argument("--quiet", action="store_true")
+    synth.set_defaults(run=_synth)
+
+    check = model_cmds.add_parser("check", help="validate a checkpoint and print its per-layer schemes")
+    check.add_argument("path", type=Path)
+    check.set_defaults(run=_check)
+    return parser
+
+
+def _demo(args: argparse.Namespace) -> None:
+    from cache.checkpoint.demo import build_demo
+
+    start = time.monotonic()
+    path = build_demo(args.scheme, args.out, progress=not args.quiet)
+    _print_check(path)
+    print(f"demo checkpoint ready in {time.monotonic() - start:.1f}s: {path}")
+
+
+def _quantize(args: argparse.Namespace) -> None:
+    from cache.checkpoint.quantize import quantize_checkpoint
+
+    path = quantize_checkpoint(args.src, args.out, args.scheme, force=args.force, progress=not args.quiet)
+    _print_check(path)
+
+
+def _synth(args: argparse.Namespace) -> None:
+    from cache.checkpoint.demo import demo_dir
+    from cache.checkpoint.synth import synth_checkpoint
+
+    tokenizer = args.tokenizer
+    if tokenizer is None and (demo_dir("bf16") / "tokenizer.json").is_file():
+        tokenizer = demo_dir("bf16")
+    if tokenizer is None:
+        print("note: no tokenizer copied (build the demo first or pass --tokenizer)", file=sys.stderr)
+    path = synth_checkpoint(args.out, args.shape, args.scheme, num_layers=args.layers, device=args.device,
+                            tokenizer=tokenizer, seed=args.seed, force=args.force,
+                            progress=not args.quiet)  # fmt: skip
+    _print_check(path)
+
+
+def _check(args: argparse.Namespace) -> None:
+    _print_check(args.path)
+
+
+def _print_check(path: Path) -> None:
+    from cache.checkpoint.reader import read_checkpoint
+
+    print("\n".join(read_checkpoint(path).summary()))
+
+
+def _expected_errors() -> tuple[type[BaseException], ...]:
+    """Errors that are the user's to fix: shown as one line, no traceback."""
+    from cache.checkpoint.demo import DemoSourceError
+    from cache.errors import CheckpointError
+
+    return (CheckpointError, DemoSourceError, FileExistsError, FileNotFoundError, ValueError)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    run: Callable[[argparse.Namespace], None] = args.run
+    try:
+        run(args)
+    except KeyboardInterrupt:
+        print("warmgate: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if isinstance(exc, _expected_errors()):
+            print(f"warmgate: error: {exc}", file=sys.stderr)
+            return 2
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

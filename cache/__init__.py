@@ -1,0 +1,1 @@
+"""warmgate cache process: checkpoint reading and validation, weight processing, arenas, server."""

@@ -1,0 +1,1 @@
+"""Checkpoints: read, validate, quantize and synthesize Hugging Face checkpoint directories."""

@@ -1,0 +1,107 @@
+"""`warmgate model synth`: random-weight checkpoints of real model shapes, for speed and memory only.
+
+Weights are generated and quantized one layer at a time and streamed into shards, so
+memory stays bounded by a shard even for a 70B shape. Never use these for quality claims.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from cache.checkpoint.architecture import ModelLayout
+from cache.checkpoint.fp8 import quantize_weight
+from cache.checkpoint.quant_config import write_config as quantization_config
+from cache.checkpoint.quantize import IGNORED_LAYERS
+from cache.checkpoint.schemes import WRITE_SCHEMES
+from cache.checkpoint.writer import DEFAULT_SHARD_BYTES, ShardWriter, copy_tokenizer, staged_output, write_config
+
+_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+          "attention_bias": False, "mlp_bias": False, "rms_norm_eps": 1e-5}  # fmt: skip
+SHAPES: dict[str, dict[str, Any]] = {
+    "smollm2-135m": {**_LLAMA, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                     "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152,
+                     "tie_word_embeddings": True, "rope_theta": 100000.0, "max_position_embeddings": 8192},
+    "qwen3-0.6b": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu",
+                   "attention_bias": False, "rms_norm_eps": 1e-6, "hidden_size": 1024,
+                   "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
+                   "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": True,
+                   "rope_theta": 1000000.0, "max_position_embeddings": 40960},
+    "llama3-8b": {**_LLAMA, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                  "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,
+                  "tie_word_embeddings": False, "rope_theta": 500000.0, "max_position_embeddings": 8192},
+    "llama3-70b": {**_LLAMA, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+                   "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,
+                   "tie_word_embeddings": False, "rope_theta": 500000.0, "max_position_embeddings": 8192},
+}  # fmt: skip
+INIT_STD = 0.02
+
+
+def synth_checkpoint(
+    out: str | Path,
+    shape: str,
+    scheme: str,
+    *,
+    num_layers: int | None = None,
+    device: str = "cpu",
+    tokenizer: Path | None = None,
+    seed: int = 0,
+    force: bool = False,
+    progress: bool = True,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> Path:
+    """Write a random checkpoint of a known shape (optionally fewer layers) in one of the write schemes."""
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; choose one of {', '.join(SHAPES)}")
+    if scheme not in WRITE_SCHEMES:
+        raise ValueError(f"unknown scheme {scheme!r}; choose one of {', '.join(WRITE_SCHEMES)}")
+    target = WRITE_SCHEMES[scheme]
+    config = {**SHAPES[shape], "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+              "warmgate_synthetic": True}  # fmt: skip
+    if num_layers is not None:
+        config["num_hidden_layers"] = num_layers
+    if target.quantized:
+        config["quantization_config"] = quantization_config(target, IGNORED_LAYERS)
+    layout = ModelLayout.from_config(config)
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*dims: int) -> torch.Tensor:
+        return (torch.randn(*dims, generator=gen, device=device, dtype=torch.float32) * INIT_STD).to(torch.bfloat16)
+
+    out = Path(out)
+    with staged_output(out, force=force) as tmp:
+        writer = ShardWriter(tmp, shard_bytes)
+        names = [n for n in layout.others if n not in layout.optional] + [f"{m}.weight" for m in layout.linears]
+        # Layer order keeps each shard's tensors together, as a real export would.
+        names.sort(key=_layer_order)
+        for name in tqdm(names, desc=f"synth {shape} {scheme}", unit="tensor", disable=not progress):
+            module = name.rpartition(".")[0]
+            if module in layout.linears:
+                w = randn(*layout.linears[module])
+                if target.quantized and module not in IGNORED_LAYERS:
+                    q, s = quantize_weight(w, target.weight)
+                    writer.add(name, q)
+                    writer.add(f"{module}.weight_scale", s)
+                else:
+                    writer.add(name, w)
+            elif name.endswith("norm.weight"):
+                writer.add(name, torch.ones(layout.others[name], dtype=torch.bfloat16))
+            elif name.endswith(".bias"):
+                writer.add(name, torch.zeros(layout.others[name], dtype=torch.bfloat16))
+            else:
+                writer.add(name, randn(*layout.others[name]))
+        writer.close()
+        write_config(tmp, config)
+        if tokenizer is not None:
+            copy_tokenizer(Path(tokenizer), tmp)
+    return out
+
+
+def _layer_order(name: str) -> tuple[int, str]:
+    parts = name.split(".")
+    if len(parts) > 2 and parts[1] == "layers":
+        return int(parts[2]) + 1, name
+    return (0 if "embed" in name else 1_000_000), name

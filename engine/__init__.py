@@ -1,0 +1,1 @@
+"""warmgate engine worker: model, kernels, scheduler and the worker server."""
