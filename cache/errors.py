@@ -36,7 +36,8 @@ class CheckpointError(Exception):
         where = self.layer or self.path or "checkpoint"
         line = f"{where}: {self.detail}"
         if self.supported is not None:
-            line += f" (supported: {_fmt(self.supported)})"
+            supported = self.supported if isinstance(self.supported, str) else _fmt(self.supported)
+            line += f" (supported: {supported})"
         return line
 
 

@@ -46,7 +46,7 @@ def parse_schemes(qc: dict[str, Any] | None, linear_names: Iterable[str]) -> dic
         raise UnsupportedQuantization(layer=where, field="quant_method", value=method, supported=[SUPPORTED_METHOD])
     for key in REFUSED_KEYS:
         if qc.get(key):
-            raise UnsupportedQuantization(layer=where, field=key, value="set", supported="none")
+            raise UnsupportedQuantization(layer=where, field=key, value=qc[key], supported="none")
     status = qc.get("quantization_status", "compressed")
     if status not in SUPPORTED_STATUS:
         raise UnsupportedQuantization(
@@ -126,11 +126,11 @@ def scheme_for(group: dict[str, Any], fmt: str | None, *, layer: str) -> LinearS
 
 def _check_fp8_args(args: dict[str, Any], prefix: str, refuse: Any) -> None:
     # compressed-tensors defaults: type "int", num_bits 8, symmetric True.
+    if args.get("num_bits", 8) != 8:
+        raise refuse(f"{prefix}.num_bits", args.get("num_bits"), [8])
     qtype = args.get("type", "int")
     if qtype != "float":
         raise refuse(f"{prefix}.type", qtype, ["float"])
-    if args.get("num_bits", 8) != 8:
-        raise refuse(f"{prefix}.num_bits", args.get("num_bits"), [8])
     if args.get("symmetric", True) is not True:
         raise refuse(f"{prefix}.symmetric", args.get("symmetric"), [True])
 

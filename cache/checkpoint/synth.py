@@ -42,7 +42,7 @@ INIT_STD = 0.02
 
 def synth_checkpoint(
     out: str | Path,
-    shape: str,
+    shape: str | dict[str, Any],
     scheme: str,
     *,
     num_layers: int | None = None,
@@ -53,13 +53,14 @@ def synth_checkpoint(
     progress: bool = True,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
 ) -> Path:
-    """Write a random checkpoint of a known shape (optionally fewer layers) in one of the write schemes."""
-    if shape not in SHAPES:
+    """Write a random checkpoint of a known shape (a SHAPES name or a config dict) in one of the write schemes."""
+    if isinstance(shape, str) and shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; choose one of {', '.join(SHAPES)}")
     if scheme not in WRITE_SCHEMES:
         raise ValueError(f"unknown scheme {scheme!r}; choose one of {', '.join(WRITE_SCHEMES)}")
     target = WRITE_SCHEMES[scheme]
-    config = {**SHAPES[shape], "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+    base = SHAPES[shape] if isinstance(shape, str) else shape
+    config = {**base, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
               "warmgate_synthetic": True}  # fmt: skip
     if num_layers is not None:
         config["num_hidden_layers"] = num_layers
@@ -77,7 +78,7 @@ def synth_checkpoint(
         names = [n for n in layout.others if n not in layout.optional] + [f"{m}.weight" for m in layout.linears]
         # Layer order keeps each shard's tensors together, as a real export would.
         names.sort(key=_layer_order)
-        for name in tqdm(names, desc=f"synth {shape} {scheme}", unit="tensor", disable=not progress):
+        for name in tqdm(names, desc=f"synth {config['model_type']} {scheme}", unit="tensor", disable=not progress):
             module = name.rpartition(".")[0]
             if module in layout.linears:
                 w = randn(*layout.linears[module])

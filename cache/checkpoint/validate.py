@@ -52,23 +52,26 @@ def check_tensors(layout: ModelLayout, schemes: dict[str, LinearScheme], tensors
                 f"tensor {field!r} ({_describe(spec[name])}) is missing{more}", layer=module, field=field
             )
     for name, info in tensors.items():
-        module, field = _split(name)
-        if name not in spec:
-            if layout.ignored(name):
-                continue
+        if name not in spec and not layout.ignored(name):
+            module, field = _split(name)
             scheme = schemes.get(module)
-            hint = f" for a {scheme.describe()} layer" if scheme else ""
+            hint = f" (layer scheme: {scheme.describe()})" if scheme else ""
             raise UnexpectedTensor(f"tensor {field!r} is not expected{hint}", layer=module, field=field)
-        want = spec[name]
+    for name, want in spec.items():  # model order: the first bad tensor reported is the shallowest
+        info = tensors.get(name)
+        if info is None:
+            continue
+        module, field = _split(name)
         if info.dtype not in want.dtypes:
             raise InvalidTensor(
                 f"{field}.dtype={info.dtype} is not supported", layer=module, field=f"{field}.dtype",
                 value=info.dtype, supported=want.dtypes,
             )  # fmt: skip
         if info.shape not in want.shapes:
+            expected = " or ".join(str(list(s)) for s in want.shapes)
             raise InvalidTensor(
-                f"{field}.shape={list(info.shape)} does not match the layer", layer=module,
-                field=f"{field}.shape", value=list(info.shape), supported=[list(s) for s in want.shapes],
+                f"{field}.shape={list(info.shape)} does not match config.json and the scheme (expected {expected})",
+                layer=module, field=f"{field}.shape", value=list(info.shape),
             )  # fmt: skip
 
 

@@ -1,0 +1,45 @@
+"""Shared fixtures: the real demo checkpoints (built once per machine, reused) and the gpu marker."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+PROMPT = "What is the capital of France?"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (run on the GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def demo_path():
+    """Build (or reuse) the demo checkpoint in a scheme: the same call `warmgate model demo` makes."""
+    from cache.checkpoint.demo import build_demo
+
+    built: dict[str, Path] = {}
+
+    def get(scheme: str = "bf16") -> Path:
+        if scheme not in built:
+            built[scheme] = build_demo(scheme, progress=False)
+        return built[scheme]
+
+    return get
+
+
+def chat_greedy(model, tokenizer, prompt: str = PROMPT, max_new_tokens: int = 48) -> tuple[str, list[int]]:
+    """Greedy chat reply with transformers; returns (text including special tokens, new token ids)."""
+    inputs = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    new = out[0, inputs["input_ids"].shape[1] :].tolist()
+    return tokenizer.decode(new), new
