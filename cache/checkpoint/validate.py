@@ -51,7 +51,7 @@ def check_tensors(layout: ModelLayout, schemes: dict[str, LinearScheme], tensors
             raise MissingTensor(
                 f"tensor {field!r} ({_describe(spec[name])}) is missing{more}", layer=module, field=field
             )
-    for name, info in tensors.items():
+    for name in tensors:
         if name not in spec and not layout.ignored(name):
             module, field = _split(name)
             scheme = schemes.get(module)
