@@ -80,7 +80,7 @@ def synth_checkpoint(
         names.sort(key=_layer_order)
         for name in tqdm(names, desc=f"synth {config['model_type']} {scheme}", unit="tensor", disable=not progress):
             module = name.rpartition(".")[0]
-            if module in layout.linears:
+            if module in layout.linears and name.endswith(".weight"):
                 w = randn(*layout.linears[module])
                 if target.quantized and module not in IGNORED_LAYERS:
                     q, s = quantize_weight(w, target.weight)

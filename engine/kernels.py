@@ -1,0 +1,105 @@
+"""Linear-layer kernels, by the names weight processing records (cache/processing.py).
+
+Each kernel takes activations [M, K] and the processed tensors of one layer and returns
+[M, N]. The engine refuses a recipe whose kernel name is not in KERNELS.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from cache.checkpoint.schemes import FP8_BLOCK, FP8_MAX, WeightKind
+from cache.processing import DENSE, FP8_BLOCK_SCALED_MM, FP8_DEQUANT, FP8_ROWWISE_SCALED_MM, LinearRecipe
+
+FP8 = torch.float8_e4m3fn
+Tensors = dict[str, torch.Tensor]
+Kernel = Callable[[torch.Tensor, Tensors, LinearRecipe], torch.Tensor]
+
+
+class UnknownKernel(RuntimeError):
+    """A recipe names a kernel this engine build does not implement."""
+
+
+def dense(x: torch.Tensor, t: Tensors, r: LinearRecipe) -> torch.Tensor:
+    return F.linear(x, t["weight"], t.get("bias"))
+
+
+def fp8_dequant(x: torch.Tensor, t: Tensors, r: LinearRecipe) -> torch.Tensor:
+    """Weights stay FP8 in memory (shared, zero-copy); each call multiplies the scales back in."""
+    w, s = t["weight"], t["weight_scale"]
+    kind = WeightKind(r.weight)
+    if kind is WeightKind.FP8_BLOCK:
+        nb, kb = s.shape
+        wd = (w.view(nb, FP8_BLOCK, kb, FP8_BLOCK).to(x.dtype) * s.to(x.dtype).view(nb, 1, kb, 1)).view(w.shape)
+        wd = wd[: r.out_features, : r.in_features]
+    elif kind is WeightKind.FP8_CHANNEL:
+        wd = w.to(x.dtype) * s.to(x.dtype).view(-1, 1)
+    else:
+        wd = w.to(x.dtype) * s.to(x.dtype).reshape(())
+    return F.linear(x, wd, t.get("bias"))
+
+
+def quantize_per_token_group(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] (K a multiple of 128) -> fp8 [M, K] and fp32 scales [M, K/128] with strides (1, M)."""
+    m, k = x.shape
+    groups = x.view(m, k // FP8_BLOCK, FP8_BLOCK).float()
+    scale = groups.abs().amax(dim=-1).clamp_min(1e-12) / FP8_MAX
+    q = (groups / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(m, k)
+    return q, scale.t().contiguous().t()  # the blockwise kernel wants column-major activation scales
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] -> fp8 [M, K] and fp32 scales [M, 1]."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / FP8_MAX
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def _pad_k(x: torch.Tensor, r: LinearRecipe) -> torch.Tensor:
+    pad = r.padded_in - r.in_features
+    return F.pad(x, (0, pad)) if pad else x
+
+
+def _finish(y: torch.Tensor, t: Tensors, r: LinearRecipe) -> torch.Tensor:
+    if r.padded_out != r.out_features:
+        y = y[:, : r.out_features]
+    bias = t.get("bias")
+    return y + bias if bias is not None else y
+
+
+def fp8_block_scaled_mm(x: torch.Tensor, t: Tensors, r: LinearRecipe) -> torch.Tensor:
+    """Hopper+: activations quantized per token and group of 128, weights in 128x128 blocks."""
+    from torch.nn.functional import ScalingType, scaled_mm
+
+    xq, xs = quantize_per_token_group(_pad_k(x, r))
+    y = scaled_mm(xq, t["weight"].t(), xs, ScalingType.BlockWise1x128, t["weight_scale"].t(),
+                  ScalingType.BlockWise128x128, output_dtype=x.dtype)  # fmt: skip
+    return _finish(y, t, r)
+
+
+def fp8_rowwise_scaled_mm(x: torch.Tensor, t: Tensors, r: LinearRecipe) -> torch.Tensor:
+    """Ada/Hopper+: per-token activation scales times per-channel (or broadcast per-tensor) weight scales."""
+    xq, xs = quantize_per_token(_pad_k(x, r))
+    y = torch._scaled_mm(xq, t["weight"].t(), scale_a=xs, scale_b=t["weight_scale"], out_dtype=x.dtype)
+    return _finish(y, t, r)
+
+
+KERNELS: dict[str, Kernel] = {
+    DENSE: dense,
+    FP8_DEQUANT: fp8_dequant,
+    FP8_BLOCK_SCALED_MM: fp8_block_scaled_mm,
+    FP8_ROWWISE_SCALED_MM: fp8_rowwise_scaled_mm,
+}
+
+
+def kernel_for(recipe: LinearRecipe) -> Kernel:
+    try:
+        return KERNELS[recipe.kernel]
+    except KeyError:
+        raise UnknownKernel(
+            f"weights were processed for kernel {recipe.kernel!r}, which this engine does not implement "
+            f"(known: {', '.join(KERNELS)})"
+        ) from None

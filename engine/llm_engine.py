@@ -1,0 +1,261 @@
+"""The engine core: one model, a KV cache, and a scheduler thread doing continuous batching.
+
+The HTTP server talks to it through ``submit`` (from its asyncio loop) and iterates the
+returned RequestStream; everything blocking (model forward, sampling) runs on the
+engine's own thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cache.processing import compute_dtype
+from engine.config import EngineConfig
+from engine.kv_cache import KVCache, KVCacheSpec
+from engine.model import ModelArgs, Transformer
+from engine.sampler import sample
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, Sequence
+from engine.weights import DiskWeights, WeightSource
+
+log = logging.getLogger("warmgate.engine")
+DEFAULT_MAX_MODEL_LEN = 4096
+SPAN_BUCKET = 64  # decode attention reads the cache in multiples of this many positions
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One step of a request: a new token, and/or the reason it finished."""
+
+    token_id: int | None  # None only on a final event that carries no token (abort, error)
+    finish_reason: str | None = None  # "stop" (eos / stop token), "length", "abort", "error"
+    error: str | None = None
+
+
+class RequestStream:
+    """A submitted request; iterate it (async) to receive its TokenEvents until one has finish_reason."""
+
+    def __init__(self, request_id: str, prompt_tokens: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.prompt_tokens = prompt_tokens
+        self._loop = loop
+        self._queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self.cancelled = False
+
+    def push(self, event: TokenEvent) -> None:
+        """Called from the engine thread."""
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+
+    def cancel(self) -> None:
+        """Stop generating (client went away, stop string hit); the stream ends with 'abort'."""
+        self.cancelled = True
+
+    async def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        while True:
+            event = await self._queue.get()
+            yield event
+            if event.finish_reason is not None:
+                return
+
+
+class LLMEngine:
+    """Load the model (blocking), then ``start()`` the scheduler thread and ``submit`` requests."""
+
+    def __init__(self, config: EngineConfig, source: WeightSource | None = None) -> None:
+        self.config = config
+        self.startup_phases: dict[str, float] = {}
+        self._inbox: list[Sequence] = []
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        with self._phase("device_init"):
+            self.device = torch.device(config.device)
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+                torch.zeros(1, device=self.device)  # create the context now, not on the first request
+            self.dtype = compute_dtype(self.device, config.dtype)
+        with self._phase("weight_load"):
+            loaded = (source or DiskWeights(config.model)).load(self.device, self.dtype)
+            self.weight_source = loaded.source
+            self.args = ModelArgs.from_config(loaded.config)
+            self.model = Transformer(self.args, loaded.weights)
+        self.max_model_len = min(config.max_model_len or DEFAULT_MAX_MODEL_LEN, self.args.max_position_embeddings)
+        self.eos_token_ids = _eos_ids(loaded.config, config.model)
+        with self._phase("kv_alloc"):
+            spec = KVCacheSpec.plan(self.args.shape, self.dtype, config.max_num_seqs, self.max_model_len,
+                                    config.kv_cache_bytes)  # fmt: skip
+            self.kv = KVCache(self.args.shape, spec, self.dtype, self.device)
+        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens)
+        with self._phase("warmup"):
+            self.generate([[self.eos_token_ids[0]] * 4], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+
+    def _phase(self, name: str) -> _Timer:
+        return _Timer(self.startup_phases, name)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="warmgate-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
+        """Queue a request; must be called on the asyncio loop that will iterate the stream.
+
+        Raises ValueError when the prompt is empty or prompt + max_tokens exceeds max_model_len.
+        """
+        self._check(prompt_ids, params)
+        stream = RequestStream(request_id or uuid.uuid4().hex, len(prompt_ids), asyncio.get_running_loop())
+        seq = self._sequence(stream.request_id, prompt_ids, params, stream.push)
+        seq.is_cancelled = lambda: stream.cancelled
+        with self._wake:
+            self._inbox.append(seq)
+            self._wake.notify()
+        return stream
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+        """Synchronous batch generation (tests, benchmarks): all prompts scheduled together."""
+        if self._running_thread():
+            raise RuntimeError("generate() runs the scheduler itself; use submit() once start() was called")
+        outputs: list[list[int]] = [[] for _ in prompts]
+        for i, prompt in enumerate(prompts):
+            self._check(prompt, params)
+            self.scheduler.add(self._sequence(f"gen-{i}", prompt, params, lambda e, out=outputs[i]: _collect(out, e)))
+        while not self.scheduler.idle:
+            self._step()
+        return outputs
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting) + len(self._inbox)
+
+    def stop(self) -> None:
+        """Stop the scheduler thread; unfinished requests end with finish_reason 'abort'."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join()
+        for seq in [*self._inbox, *self.scheduler.waiting, *self.scheduler.running]:
+            seq.emit(TokenEvent(None, "abort"))
+        self._inbox.clear()
+
+    # -- the scheduler thread ------------------------------------------------------------
+
+    def _running_thread(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopping and not self._inbox and self.scheduler.idle:
+                    self._wake.wait()
+                if self._stopping:
+                    return
+                for seq in self._inbox:
+                    self.scheduler.add(seq)
+                self._inbox.clear()
+            try:
+                self._step()
+            except Exception as exc:  # a failed step fails its requests, not the engine
+                log.exception("event=step_failed")
+                for seq in [*self.scheduler.running]:
+                    self._finish(seq, TokenEvent(None, "error", error=f"{type(exc).__name__}: {exc}"))
+
+    @torch.inference_mode()
+    def _step(self) -> None:
+        for seq in [*self.scheduler.waiting, *self.scheduler.running]:
+            if seq.is_cancelled():
+                self._finish(seq, TokenEvent(None, "abort"))
+        for seq in self.scheduler.admit():
+            hidden = self.model.prefill(torch.tensor(seq.prompt, device=self.device), seq.slot, self.kv)
+            self._advance([seq], self.model.logits(hidden[-1:]))
+        running = list(self.scheduler.running)
+        if not running:
+            return
+        tokens = torch.tensor([s.output[-1] for s in running], device=self.device)
+        positions = torch.tensor([s.length - 1 for s in running], device=self.device)
+        longest = max(s.length for s in running)
+        span = min(self.max_model_len, -(-longest // SPAN_BUCKET) * SPAN_BUCKET)
+        hidden = self.model.decode(tokens, positions, self.kv, span)
+        self._advance(running, self.model.logits(hidden))
+
+    def _advance(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        chosen = sample(logits, [s.params for s in seqs], [s.output for s in seqs], [s.generator for s in seqs])
+        for seq, token in zip(seqs, chosen, strict=True):
+            seq.output.append(token)
+            reason = None
+            p = seq.params
+            if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+                reason = "stop"
+            elif len(seq.output) >= p.max_tokens or seq.length >= self.max_model_len:
+                reason = "length"
+            if reason:
+                self._finish(seq, TokenEvent(token, reason))
+            else:
+                seq.emit(TokenEvent(token))
+
+    def _finish(self, seq: Sequence, event: TokenEvent) -> None:
+        self.scheduler.finish(seq)
+        seq.emit(event)
+
+    def _sequence(self, request_id: str, prompt: list[int], params: SamplingParams, emit: Any) -> Sequence:
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        return Sequence(request_id, list(prompt), params, emit, generator=generator)
+
+    def _check(self, prompt: list[int], params: SamplingParams) -> None:
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len ({self.max_model_len})"
+            )
+
+
+class _Timer:
+    def __init__(self, phases: dict[str, float], name: str) -> None:
+        self.phases, self.name = phases, name
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self.phases[self.name] = time.perf_counter() - self.start
+        log.info("event=startup phase=%s seconds=%.3f", self.name, self.phases[self.name])
+
+
+def _collect(out: list[int], event: TokenEvent) -> None:
+    if event.token_id is not None:
+        out.append(event.token_id)
+
+
+def _eos_ids(config: dict[str, Any], model_dir: Path) -> list[int]:
+    """eos ids from config.json and generation_config.json (either may hold an int or a list)."""
+    ids: list[int] = []
+    sources = [config]
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        sources.append(json.loads(gen.read_text()))
+    for src in sources:
+        value = src.get("eos_token_id")
+        for token in value if isinstance(value, list) else [value]:
+            if isinstance(token, int) and token not in ids:
+                ids.append(token)
+    if not ids:
+        raise ValueError(f"{model_dir}: no eos_token_id in config.json or generation_config.json")
+    return ids

@@ -1,0 +1,211 @@
+"""A Llama-family decoder (Llama 2/3, Mistral, SmolLM, Qwen2, Qwen3) in plain PyTorch.
+
+The model owns no weights of its own: ``bind`` points it at processed tensors (from disk
+or from the cache process) without copying. Linear layers call the kernel their recipe
+names. Attention reads and writes a slot-based KV cache (engine/kv_cache.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from cache.checkpoint.architecture import ModelShape
+from cache.processing import LinearRecipe, ProcessedWeights
+from engine.kernels import Kernel, kernel_for
+from engine.kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    shape: ModelShape
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> ModelArgs:
+        rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+        theta = float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+        rope_type = rope.get("rope_type") or rope.get("type") or "default"
+        return cls(
+            shape=ModelShape.from_config(config),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=rope if rope_type != "default" else None,
+            max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+        )
+
+
+def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+    """Rotary inverse frequencies, with Llama 3's long-context rescaling when configured."""
+    dim = args.shape.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = args.rope_scaling
+    if scaling is None:
+        return inv_freq.float()
+    rope_type = scaling.get("rope_type") or scaling.get("type")
+    if rope_type == "linear":
+        return (inv_freq / float(scaling["factor"])).float()
+    if rope_type != "llama3":
+        raise ValueError(f"rope_scaling type {rope_type!r} is not supported (supported: default, linear, llama3)")
+    factor = float(scaling["factor"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - low) / (high - low)
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+    return torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled).float()
+
+
+class Linear:
+    """One Linear layer: its processed tensors and the kernel its recipe names."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], recipe: LinearRecipe) -> None:
+        self.tensors = tensors
+        self.recipe = recipe
+        self.kernel: Kernel = kernel_for(recipe)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(x, self.tensors, self.recipe)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim]; cos/sin [T, head_dim/2]; the rotate-half layout of HF checkpoints."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+
+
+@dataclass
+class Layer:
+    q: Linear
+    k: Linear
+    v: Linear
+    o: Linear
+    gate: Linear
+    up: Linear
+    down: Linear
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+
+
+class Transformer:
+    """Forward passes over a flat token batch: ``prefill`` one sequence, ``decode`` many (one token each)."""
+
+    def __init__(self, args: ModelArgs, weights: ProcessedWeights) -> None:
+        self.args = args
+        self.device = weights.device
+        self.dtype = weights.dtype
+        s = args.shape
+        t, r = weights.tensors, weights.recipes
+
+        def linear(module: str) -> Linear:
+            parts = {leaf: t[f"{module}.{leaf}"] for leaf in ("weight", "weight_scale", "input_scale", "bias")
+                     if f"{module}.{leaf}" in t}  # fmt: skip
+            return Linear(parts, r[module])
+
+        self.embed = t["model.embed_tokens.weight"]
+        self.norm = t["model.norm.weight"]
+        if s.tied_embeddings:
+            tied = LinearRecipe("dense", "unquantized", "none", s.vocab, s.hidden, s.vocab, s.hidden)
+            self.lm_head = Linear({"weight": self.embed}, tied)
+        else:
+            self.lm_head = linear("lm_head")
+        self.layers = []
+        for i in range(s.layers):
+            p = f"model.layers.{i}"
+            attn, mlp = f"{p}.self_attn", f"{p}.mlp"
+            self.layers.append(
+                Layer(
+                    q=linear(f"{attn}.q_proj"),
+                    k=linear(f"{attn}.k_proj"),
+                    v=linear(f"{attn}.v_proj"),
+                    o=linear(f"{attn}.o_proj"),
+                    gate=linear(f"{mlp}.gate_proj"),
+                    up=linear(f"{mlp}.up_proj"),
+                    down=linear(f"{mlp}.down_proj"),
+                    input_norm=t[f"{p}.input_layernorm.weight"],
+                    post_norm=t[f"{p}.post_attention_layernorm.weight"],
+                    q_norm=t.get(f"{attn}.q_norm.weight"),
+                    k_norm=t.get(f"{attn}.k_norm.weight"),
+                )
+            )
+        inv_freq = rope_inv_freq(args).to(self.device)
+        positions = torch.arange(args.max_position_embeddings, device=self.device, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)
+        self.cos, self.sin = freqs.cos(), freqs.sin()
+        self.scale = 1.0 / math.sqrt(s.head_dim)
+
+    def _qkv(self, layer: Layer, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        s = self.args.shape
+        h = rms_norm(x, layer.input_norm, self.args.rms_norm_eps)
+        q = layer.q(h).view(-1, s.heads, s.head_dim)
+        k = layer.k(h).view(-1, s.kv_heads, s.head_dim)
+        v = layer.v(h).view(-1, s.kv_heads, s.head_dim)
+        if layer.q_norm is not None and layer.k_norm is not None:
+            q = rms_norm(q, layer.q_norm, self.args.rms_norm_eps)
+            k = rms_norm(k, layer.k_norm, self.args.rms_norm_eps)
+        cos, sin = self.cos[positions], self.sin[positions]
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def _mlp(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
+        h = rms_norm(x, layer.post_norm, self.args.rms_norm_eps)
+        return layer.down(F.silu(layer.gate(h)) * layer.up(h))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(rms_norm(hidden, self.norm, self.args.rms_norm_eps)).float()
+
+    def prefill(self, tokens: torch.Tensor, slot: int, kv: KVCache) -> torch.Tensor:
+        """Run a whole prompt [T] from position 0 into ``slot``; returns hidden states [T, hidden]."""
+        s = self.args.shape
+        n = tokens.shape[0]
+        positions = torch.arange(n, device=self.device)
+        x = F.embedding(tokens, self.embed)
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, x, positions)
+            kv.write_prompt(i, slot, k, v)
+            # [1, heads, T, d] against [1, kv_heads, T, d]: causal, grouped-query.
+            attn = F.scaled_dot_product_attention(
+                q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+                is_causal=True, scale=self.scale, enable_gqa=s.heads != s.kv_heads,
+            )  # fmt: skip
+            x = x + layer.o(attn.squeeze(0).transpose(0, 1).reshape(n, s.heads * s.head_dim))
+            x = x + self._mlp(layer, x)
+        return x
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, kv: KVCache, span: int) -> torch.Tensor:
+        """One token for each of the first B slots (token b belongs to slot b, at positions[b]).
+
+        ``span`` >= max(positions) + 1 bounds how much of each slot's cache attention reads.
+        """
+        s = self.args.shape
+        b = tokens.shape[0]
+        x = F.embedding(tokens, self.embed)
+        # Key j of slot b is visible when j <= positions[b]: [B, 1, 1, span]
+        mask = (torch.arange(span, device=self.device)[None, :] <= positions[:, None]).view(b, 1, 1, span)
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, x, positions)
+            kv.write_tokens(i, k, v, positions)
+            keys, values = kv.view(i, b, span)
+            attn = F.scaled_dot_product_attention(
+                q.unsqueeze(2), keys, values, attn_mask=mask, scale=self.scale, enable_gqa=s.heads != s.kv_heads
+            )
+            x = x + layer.o(attn.reshape(b, s.heads * s.head_dim))
+            x = x + self._mlp(layer, x)
+        return x

@@ -1,0 +1,210 @@
+"""The native engine against transformers: same greedy tokens, FP8 logits, batch invariance, model variants."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from cache.checkpoint.reader import read_checkpoint
+from cache.checkpoint.synth import SHAPES, synth_checkpoint
+from cache.processing import FP8_DEQUANT, LinearRecipe
+from engine.config import EngineConfig
+from engine.kernels import UnknownKernel, kernel_for
+from engine.kv_cache import KVCache, KVCacheSpec
+from engine.llm_engine import LLMEngine
+from engine.model import ModelArgs, Transformer
+from engine.sampling_params import SamplingParams
+from engine.weights import DiskWeights
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village,",
+    "def fibonacci(n):",
+    "The three primary colors are",
+    "Water boils at a temperature of",
+]
+GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(demo_path):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(demo_path("bf16") / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tokenizer) -> list[list[int]]:
+    return [tokenizer.encode(p).ids for p in PROMPTS]
+
+
+def _engine(path: Path, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=path, max_num_seqs=8, max_model_len=256, **kw))
+
+
+def _hf_greedy(model, ids: list[int], n: int = 32) -> list[int]:
+    with torch.no_grad():
+        # No eos: like ignore_eos (min_new_tokens would instead mask eos out of the logits).
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids) :].tolist()
+
+
+def _reference_model(path: Path, ckpt_path: Path | None = None):
+    """transformers' Llama in fp32 holding the (dequantized) weights of ``ckpt_path``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32).eval()
+    model.load_state_dict(read_checkpoint(ckpt_path or path).dequantized_state_dict(torch.float32), strict=False)
+    model.tie_weights()
+    return model
+
+
+def test_bf16_demo_greedy_matches_transformers(demo_path, prompt_ids) -> None:
+    # Both sides compute in float32 (the engine's CPU default) on the same bf16 weights.
+    path = demo_path("bf16")
+    ours = _engine(path).generate(prompt_ids, GREEDY)
+    reference = _reference_model(path)
+    for prompt, got in zip(prompt_ids, ours, strict=True):
+        assert got == _hf_greedy(reference, prompt)
+
+
+def test_fp8_block_demo_logits_and_greedy_match_dequantized_reference(demo_path, prompt_ids) -> None:
+    path = demo_path("fp8-block")
+    engine = _engine(path)
+    reference = _reference_model(demo_path("bf16"), path)
+    kv = engine.kv
+    for ids in prompt_ids:
+        with torch.no_grad():
+            ours = engine.model.logits(engine.model.prefill(torch.tensor(ids), 0, kv))
+            ref = reference(torch.tensor([ids])).logits[0]
+        rel = float((ours - ref).norm() / ref.norm())
+        assert rel < 1e-2, rel
+    for prompt, got in zip(prompt_ids, engine.generate(prompt_ids, GREEDY), strict=True):
+        assert got == _hf_greedy(reference, prompt)
+
+
+@pytest.mark.parametrize("scheme", ["fp8-channel", "fp8-tensor"])
+def test_other_fp8_schemes_match_their_dequantized_reference(demo_path, prompt_ids, scheme: str) -> None:
+    path = demo_path(scheme)
+    reference = _reference_model(demo_path("bf16"), path)
+    got = _engine(path).generate(prompt_ids[:2], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    assert got == [_hf_greedy(reference, p, 16) for p in prompt_ids[:2]]
+
+
+def test_batch_invariance_and_slot_compaction(demo_path, tokenizer) -> None:
+    engine = _engine(demo_path("bf16"))
+    texts = [*PROMPTS, "A", "In 1969, the first humans to walk on the Moon were", "List three fruits:"]
+    ids = [tokenizer.encode(t).ids for t in texts]
+    target = 3
+    alone = engine.generate([ids[target]], GREEDY)[0]
+    batch = engine.generate(ids, GREEDY)
+    assert batch[target] == alone
+    # Different max_tokens make sequences leave mid-batch, so slots are compacted under the others.
+    mixed = [SamplingParams(max_tokens=4 + 4 * i, temperature=0, ignore_eos=True) for i in range(len(ids))]
+    outs = _generate_each(engine, ids, mixed)
+    for i, out in enumerate(outs):
+        assert out == batch[i][: mixed[i].max_tokens]
+
+
+def _generate_each(engine: LLMEngine, ids: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+    from engine.scheduler import Sequence
+
+    outputs: list[list[int]] = [[] for _ in ids]
+    for i, (prompt, p) in enumerate(zip(ids, params, strict=True)):
+        def emit(event, out=outputs[i]):
+            if event.token_id is not None:
+                out.append(event.token_id)
+
+        engine.scheduler.add(Sequence(f"r{i}", prompt, p, emit))
+    while not engine.scheduler.idle:
+        engine._step()
+    return outputs
+
+
+def test_stops_on_eos_and_max_tokens(demo_path, tokenizer) -> None:
+    from engine.llm_engine import _eos_ids
+
+    engine = _engine(demo_path("bf16"))
+    chat = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    out = engine.generate([tokenizer.encode(chat).ids], SamplingParams(max_tokens=64, temperature=0))[0]
+    assert out[-1] == 2 and 2 not in out[:-1] and len(out) < 64
+    assert _eos_ids({"eos_token_id": [2, 7]}, Path("/nonexistent")) == [2, 7]
+    short = engine.generate([tokenizer.encode(chat).ids], SamplingParams(max_tokens=3, temperature=0))[0]
+    assert short == out[:3]
+
+
+def test_sampling_seed_top_k_and_penalties(demo_path, prompt_ids) -> None:
+    engine = _engine(demo_path("bf16"))
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
+    a = engine.generate(prompt_ids[:1], seeded)[0]
+    assert engine.generate(prompt_ids[:1], seeded)[0] == a
+    other = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=8, ignore_eos=True)
+    assert engine.generate(prompt_ids[:1], other)[0] != a
+    top1 = SamplingParams(max_tokens=12, temperature=0.7, top_k=1, seed=3, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    assert engine.generate(prompt_ids[:1], top1) == engine.generate(prompt_ids[:1], greedy)
+    repeated = engine.generate(prompt_ids[:1], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
+    penalized = SamplingParams(max_tokens=24, temperature=0, frequency_penalty=2.0, presence_penalty=2.0, ignore_eos=True)
+    fresh = engine.generate(prompt_ids[:1], penalized)[0]
+    assert len(set(fresh)) > len(set(repeated)), "penalties must discourage repeats"
+
+
+def test_bad_requests_and_unknown_kernels(demo_path) -> None:
+    engine = _engine(demo_path("bf16"))
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate([[]], GREEDY)
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.generate([[1] * 250], GREEDY)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(UnknownKernel, match="fp8-magic"):
+        kernel_for(LinearRecipe("fp8-magic", "fp8-block", "none", 1, 1, 1, 1))
+    assert kernel_for(LinearRecipe(FP8_DEQUANT, "fp8-block", "none", 1, 1, 1, 1)) is not None
+
+
+TINY = {"hidden_size": 128, "intermediate_size": 320, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 256, "max_position_embeddings": 512}  # fmt: skip
+VARIANTS = {
+    "llama3-rope-scaling": {**SHAPES["llama3-8b"], **TINY, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}},
+    "qwen2-qkv-bias": {**SHAPES["llama3-8b"], **TINY, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+                       "rms_norm_eps": 1e-6, "tie_word_embeddings": True},
+    "qwen3-qk-norm": {**SHAPES["qwen3-0.6b"], **TINY},
+    "mistral": {**SHAPES["llama3-8b"], **TINY, "architectures": ["MistralForCausalLM"], "model_type": "mistral",
+                "sliding_window": None},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_model_variants_match_transformers(tmp_path: Path, variant: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    path = synth_checkpoint(tmp_path / variant, VARIANTS[variant], "bf16", progress=False)
+    # Random weights are tiny (std 0.02); biases and norms get random values too so they matter.
+    ckpt = read_checkpoint(path)
+    gen = torch.Generator().manual_seed(0)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path / "model.safetensors"))
+    for name in tensors:
+        if name.endswith((".bias", "norm.weight")):
+            tensors[name] = (1 + 0.5 * torch.randn(tensors[name].shape, generator=gen)).to(torch.bfloat16)
+    save_file(tensors, str(path / "model.safetensors"))
+    assert ckpt.layout.shape.model_type == VARIANTS[variant]["model_type"]
+
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    loaded = DiskWeights(path).load(torch.device("cpu"), torch.float32)
+    args = ModelArgs.from_config(loaded.config)
+    model = Transformer(args, loaded.weights)
+    kv = KVCache(args.shape, KVCacheSpec.plan(args.shape, torch.float32, 1, 512, None), torch.float32, model.device)
+    ids = torch.randint(0, 256, (300,), generator=gen)  # past 64 positions: llama3 scaling matters
+    with torch.no_grad():
+        ours = model.logits(model.prefill(ids, 0, kv))
+        ref = reference(ids[None]).logits[0]
+        assert float((ours - ref).abs().max()) < 1e-3 * float(ref.abs().max())
+        step = model.logits(model.decode(ids[-1:].clone(), torch.tensor([300]), kv, 320))
+        ref_step = reference(torch.cat([ids, ids[-1:]])[None]).logits[0, -1]
+        assert float((step[0] - ref_step).abs().max()) < 1e-3 * float(ref_step.abs().max())
