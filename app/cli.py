@@ -49,6 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
     check = model_cmds.add_parser("check", help="validate a checkpoint and print its per-layer schemes")
     check.add_argument("path", type=Path)
     check.set_defaults(run=_check)
+
+    engine = commands.add_parser("engine", help="run an engine worker serving the OpenAI API on a Unix socket")
+    engine.add_argument("--socket", type=Path, required=True, help="Unix socket path to serve on (mode 0600)")
+    engine.add_argument("--config", required=True, help="engine config: a .json/.toml file or an inline JSON object")
+    engine.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for in-flight requests before exiting"
+    )
+    engine.set_defaults(run=_engine)
     return parser
 
 
@@ -85,6 +93,12 @@ def _synth(args: argparse.Namespace) -> None:
 
 def _check(args: argparse.Namespace) -> None:
     _print_check(args.path)
+
+
+def _engine(args: argparse.Namespace) -> None:
+    from engine.worker import main as run_worker
+
+    run_worker(args.socket, args.config, drain_timeout=args.drain_timeout)
 
 
 def _print_check(path: Path) -> None:

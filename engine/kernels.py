@@ -70,11 +70,24 @@ def _finish(y: torch.Tensor, t: Tensors, r: LinearRecipe) -> torch.Tensor:
     return y + bias if bias is not None else y
 
 
+SMALL_M = 64  # up to this many rows (decode), the Triton kernel beats cuBLAS' blockwise scaled_mm
+
+
 def fp8_block_scaled_mm(x: torch.Tensor, t: Tensors, r: LinearRecipe) -> torch.Tensor:
-    """Hopper+: activations quantized per token and group of 128, weights in 128x128 blocks."""
+    """Hopper+: activations quantized per token and group of 128, weights in 128x128 blocks.
+
+    cuBLAS' blockwise scaled_mm for large M when its layout rules hold (scale dimensions in
+    multiples of 4 blocks); the Triton kernel, with the same numerics, otherwise.
+    """
     from torch.nn.functional import ScalingType, scaled_mm
 
-    xq, xs = quantize_per_token_group(_pad_k(x, r))
+    xp = _pad_k(x, r)
+    nb, kb = t["weight_scale"].shape
+    if x.shape[0] <= SMALL_M or nb % 4 or kb % 4:
+        from engine.triton_fp8 import fp8_block_gemm
+
+        return _finish(fp8_block_gemm(xp.contiguous(), t["weight"], t["weight_scale"]), t, r)
+    xq, xs = quantize_per_token_group(xp)
     y = scaled_mm(xq, t["weight"].t(), xs, ScalingType.BlockWise1x128, t["weight_scale"].t(),
                   ScalingType.BlockWise128x128, output_dtype=x.dtype)  # fmt: skip
     return _finish(y, t, r)

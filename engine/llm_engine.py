@@ -22,6 +22,7 @@ import torch
 
 from cache.processing import compute_dtype
 from engine.config import EngineConfig
+from engine.cuda_graphs import GraphedDecode
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.model import ModelArgs, Transformer
 from engine.sampler import sample
@@ -82,6 +83,8 @@ class LLMEngine:
         with self._phase("device_init"):
             self.device = torch.device(config.device)
             if self.device.type == "cuda":
+                if self.device.index is None:
+                    self.device = torch.device("cuda", torch.cuda.current_device())
                 torch.cuda.set_device(self.device)
                 torch.zeros(1, device=self.device)  # create the context now, not on the first request
             self.dtype = compute_dtype(self.device, config.dtype)
@@ -97,6 +100,7 @@ class LLMEngine:
                                     config.kv_cache_bytes)  # fmt: skip
             self.kv = KVCache(self.args.shape, spec, self.dtype, self.device)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens)
+        self.graphs = GraphedDecode(self.model, self.kv) if self.device.type == "cuda" and config.cuda_graphs else None
         with self._phase("warmup"):
             self.generate([[self.eos_token_ids[0]] * 4], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
 
@@ -151,6 +155,13 @@ class LLMEngine:
         for seq in [*self._inbox, *self.scheduler.waiting, *self.scheduler.running]:
             seq.emit(TokenEvent(None, "abort"))
         self._inbox.clear()
+        self.scheduler.waiting.clear()
+        self.scheduler.running.clear()
+
+    @property
+    def alive(self) -> bool:
+        """The scheduler thread is running and accepting work."""
+        return self._running_thread() and not self._stopping
 
     # -- the scheduler thread ------------------------------------------------------------
 
@@ -188,9 +199,12 @@ class LLMEngine:
         tokens = torch.tensor([s.output[-1] for s in running], device=self.device)
         positions = torch.tensor([s.length - 1 for s in running], device=self.device)
         longest = max(s.length for s in running)
-        span = min(self.max_model_len, -(-longest // SPAN_BUCKET) * SPAN_BUCKET)
-        hidden = self.model.decode(tokens, positions, self.kv, span)
-        self._advance(running, self.model.logits(hidden))
+        if self.graphs is not None:
+            logits = self.graphs(tokens, positions, longest)
+        else:
+            span = min(self.max_model_len, -(-longest // SPAN_BUCKET) * SPAN_BUCKET)
+            logits = self.model.logits(self.model.decode(tokens, positions, self.kv, span))
+        self._advance(running, logits)
 
     def _advance(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         chosen = sample(logits, [s.params for s in seqs], [s.output for s in seqs], [s.generator for s in seqs])

@@ -146,7 +146,9 @@ def test_sampling_seed_top_k_and_penalties(demo_path, prompt_ids) -> None:
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     assert engine.generate(prompt_ids[:1], top1) == engine.generate(prompt_ids[:1], greedy)
     repeated = engine.generate(prompt_ids[:1], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
-    penalized = SamplingParams(max_tokens=24, temperature=0, frequency_penalty=2.0, presence_penalty=2.0, ignore_eos=True)
+    penalized = SamplingParams(
+        max_tokens=24, temperature=0, frequency_penalty=2.0, presence_penalty=2.0, ignore_eos=True
+    )
     fresh = engine.generate(prompt_ids[:1], penalized)[0]
     assert len(set(fresh)) > len(set(repeated)), "penalties must discourage repeats"
 

@@ -1,0 +1,341 @@
+"""The OpenAI API subset an engine serves, as pydantic models, plus its internal health and drain messages.
+
+Field names and shapes follow the OpenAI spec (as vLLM's server does); unknown request fields are
+ignored, like OpenAI does, and options we cannot honour are refused with a 400 instead of ignored.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+
+from engine.sampling_params import SamplingParams
+
+FinishReason = Literal["stop", "length"]
+
+
+def random_id(prefix: str) -> str:
+    """An OpenAI-style object id: prefix-<hex>."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+# --- errors -----------------------------------------------------------------------------------------------------
+
+
+class ErrorInfo(OpenAIModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(OpenAIModel):
+    error: ErrorInfo
+
+
+# --- models -----------------------------------------------------------------------------------------------------
+
+
+class ModelCard(OpenAIModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "warmgate"
+    root: str | None = None
+    max_model_len: int | None = None  # extension (vLLM has it too): the context the engine serves
+
+
+class ModelList(OpenAIModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# --- requests ---------------------------------------------------------------------------------------------------
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+
+
+class ContentPart(OpenAIModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_only(cls, content: str | list[ContentPart] | None) -> str | list[ContentPart] | None:
+        if isinstance(content, list):
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise ValueError(f"only text content parts are supported, got type {part.type!r}")
+        return content
+
+    def text(self) -> str:
+        """The content as one string: text parts joined by newlines, as vLLM does for text-only templates."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text or "" for part in self.content)
+
+
+class SamplingRequest(OpenAIModel):
+    """Fields chat and text completions share."""
+
+    model: str | None = None  # OpenAI requires it; an engine serves one model, so leaving it out is fine
+    max_tokens: int | None = Field(None, ge=1)
+    # Optional fields accept an explicit null, which some clients send for "default".
+    temperature: float | None = Field(None, ge=0, le=2)  # default 1.0, as OpenAI's
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)  # extension; 0 or -1 (vLLM's spelling) turns it off
+    n: int | None = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # extension
+    seed: int | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    ignore_eos: bool = False  # extension
+    user: str | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _only_one_choice(cls, n: int | None) -> int | None:
+        if n not in (None, 1):
+            raise ValueError("only n=1 is supported")
+        return n
+
+    def stop_strings(self) -> list[str]:
+        """The stop strings, empty ones dropped."""
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        return [s for s in stops if s]
+
+    def requested_max_tokens(self) -> int | None:
+        """The completion length the client asked for, if any."""
+        return self.max_tokens
+
+    def include_usage(self) -> bool:
+        """Whether a stream should end with a usage chunk."""
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """The engine's sampling settings for this request (max_tokens resolved by the server)."""
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=max(self.top_k or 0, 0),
+            seed=self.seed,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+        )
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+
+    @model_validator(mode="after")
+    def _refuse_logprobs(self) -> ChatCompletionRequest:
+        if self.logprobs or self.top_logprobs:
+            raise ValueError("logprobs are not supported")
+        return self
+
+    def requested_max_tokens(self) -> int | None:
+        """max_completion_tokens wins over the deprecated max_tokens, as in OpenAI's API."""
+        return self.max_completion_tokens or self.max_tokens
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages as the chat template expects them: role and string content."""
+        out: list[dict[str, Any]] = []
+        for message in self.messages:
+            item: dict[str, Any] = {"role": message.role, "content": message.text()}
+            if message.name is not None:
+                item["name"] = message.name
+            out.append(item)
+        return out
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[int]
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    logprobs: int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt: str | list[str] | list[int]) -> str | list[str] | list[int]:
+        if isinstance(prompt, list):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            if isinstance(prompt[0], str) and len(prompt) != 1:
+                raise ValueError("only one prompt per request is supported")
+        return prompt
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> CompletionRequest:
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.best_of not in (None, 1):
+            raise ValueError("only best_of=1 is supported")
+        if self.logprobs is not None:
+            raise ValueError("logprobs are not supported")
+        return self
+
+
+# --- responses --------------------------------------------------------------------------------------------------
+
+
+class Usage(OpenAIModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+        """Usage with the total filled in."""
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+
+
+class AssistantMessage(OpenAIModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatCompletionChoice(OpenAIModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: FinishReason | None
+    logprobs: None = None
+
+
+class ChatCompletionResponse(OpenAIModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: Usage
+
+
+def _without_nulls(model: BaseModel, handler: SerializerFunctionWrapHandler, fields: tuple[str, ...]) -> Any:
+    data = handler(model)
+    return {k: v for k, v in data.items() if not (k in fields and v is None)}
+
+
+class DeltaMessage(OpenAIModel):
+    """What a chunk adds; absent fields are left out of the JSON, as OpenAI does."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent(self, handler: SerializerFunctionWrapHandler) -> Any:
+        return _without_nulls(self, handler, ("role", "content"))
+
+
+class ChatCompletionChunkChoice(OpenAIModel):
+    index: int = 0
+    delta: DeltaMessage
+    finish_reason: FinishReason | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(OpenAIModel):
+    """One SSE event of a chat stream; usage appears only on the last one, when the client asked for it."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionChunkChoice]
+    usage: Usage | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent(self, handler: SerializerFunctionWrapHandler) -> Any:
+        return _without_nulls(self, handler, ("usage",))
+
+
+class CompletionChoice(OpenAIModel):
+    index: int = 0
+    text: str
+    finish_reason: FinishReason | None
+    logprobs: None = None
+
+
+class CompletionResponse(OpenAIModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionChunk(OpenAIModel):
+    """One SSE event of a text completion stream (OpenAI reuses the text_completion object)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent(self, handler: SerializerFunctionWrapHandler) -> Any:
+        return _without_nulls(self, handler, ("usage",))
+
+
+# --- internal API (the supervisor's side) -----------------------------------------------------------------------
+
+
+class HealthResponse(OpenAIModel):
+    status: Literal["ok", "draining", "dead"]
+    running: int
+    waiting: int
+    in_flight: int
+
+
+class DrainRequest(OpenAIModel):
+    timeout: float | None = Field(None, ge=0)  # seconds; none waits until every in-flight request is done
+
+
+class DrainReport(OpenAIModel):
+    drained: bool
+    in_flight_at_start: int
+    remaining: int
+    seconds: float

@@ -1,0 +1,483 @@
+"""The engine worker's HTTP API: the OpenAI subset, /health and /drain, served from one LLMEngine.
+
+Token ids come from the engine's RequestStreams; this module turns them into text (incremental
+detokenization, stop strings), OpenAI responses and SSE streams, and keeps count of in-flight
+requests so a drain can wait for them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from engine.protocol import (
+    AssistantMessage,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionChunkChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    DrainReport,
+    DrainRequest,
+    ErrorInfo,
+    ErrorResponse,
+    FinishReason,
+    HealthResponse,
+    ModelCard,
+    ModelList,
+    SamplingRequest,
+    Usage,
+    random_id,
+)
+from engine.tokenizer import ChatTemplateError, ChatTokenizer
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine, RequestStream
+
+log = logging.getLogger("warmgate.engine.server")
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class ApiError(Exception):
+    """An error for the client, rendered in the OpenAI error shape with its HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+
+
+def error_response(error: ApiError) -> JSONResponse:
+    """The OpenAI error body for an ApiError."""
+    return JSONResponse(ErrorResponse(error=error.info).model_dump(mode="json"), status_code=error.status)
+
+
+def _draining_error() -> ApiError:
+    return ApiError(503, "the engine is draining and accepts no new requests", "service_unavailable", None, "draining")
+
+
+class Admission:
+    """Counts in-flight requests; once draining, refuses new ones and lets drain() wait for the count to reach 0."""
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+        self.draining = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def enter(self) -> None:
+        """Admit a request, or raise the 503 a draining engine answers."""
+        if self.draining:
+            raise _draining_error()
+        self.in_flight += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        """A request admitted by enter() is done (its response, stream included, has ended)."""
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
+
+    async def drain(self, timeout: float | None) -> DrainReport:
+        """Stop admitting, then wait (at most timeout seconds) until no request is in flight."""
+        self.draining = True
+        start = time.monotonic()
+        at_start = self.in_flight
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        return DrainReport(
+            drained=self.in_flight == 0,
+            in_flight_at_start=at_start,
+            remaining=self.in_flight,
+            seconds=round(time.monotonic() - start, 3),
+        )
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New text of a request, and the finish reason on its last delta."""
+
+    text: str
+    finish_reason: FinishReason | None = None
+
+
+class EngineFailure(Exception):
+    """The engine ended a request with an error, or aborted it (the engine stopped)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.api_error = ApiError(status, message, "server_error" if status == 500 else "service_unavailable")
+
+
+class TextGeneration:
+    """One engine request as text: detokenized deltas, cut at the first stop string, with its tokens counted."""
+
+    def __init__(
+        self, request_id: str, stream: RequestStream, tokenizer: ChatTokenizer, stop: list[str], hidden_ids: set[int]
+    ) -> None:
+        self.request_id = request_id
+        self.stream = stream
+        self.created = int(time.time())
+        self.started = time.monotonic()
+        self.completion_tokens = 0
+        self.finished = False
+        self._decoder = tokenizer.incremental_decoder()
+        self._stop = stop
+        self._hidden_ids = hidden_ids  # eos and stop tokens end the text; they are not part of it
+        # A stop string is recognised only once complete, so a stream keeps back its longest possible prefix.
+        self._holdback = max((len(s) for s in stop), default=1) - 1
+
+    def close(self) -> None:
+        """Cancel the engine request if it is still running (client gone, response abandoned)."""
+        if not self.finished:
+            self.finished = True
+            self.stream.cancel()
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """Text as it is generated; the last Delta carries the finish reason ("stop" or "length")."""
+        pending = ""
+        async for event in self.stream:
+            if event.finish_reason == "error":
+                self.finished = True
+                raise EngineFailure(500, f"engine error: {event.error or 'unknown'}")
+            if event.finish_reason == "abort":
+                self.finished = True
+                raise EngineFailure(503, "the engine stopped before the request finished")
+            if event.token_id is not None:
+                self.completion_tokens += 1
+                if not (event.finish_reason == "stop" and event.token_id in self._hidden_ids):
+                    pending += self._decoder.add(event.token_id)
+            if event.finish_reason is not None:
+                pending += self._decoder.flush()
+            cut = self._find_stop(pending)
+            if cut is not None:
+                self.close()
+                yield Delta(pending[:cut], "stop")
+                return
+            if event.finish_reason is not None:
+                self.finished = True
+                yield Delta(pending, "length" if event.finish_reason == "length" else "stop")
+                return
+            ready = len(pending) - self._holdback
+            if ready > 0:
+                yield Delta(pending[:ready])
+                pending = pending[ready:]
+
+    def _find_stop(self, text: str) -> int | None:
+        hits = [i for i in (text.find(s) for s in self._stop) if i >= 0]
+        return min(hits) if hits else None
+
+    async def collect(self) -> tuple[str, FinishReason]:
+        """The whole text and the finish reason."""
+        parts: list[str] = []
+        finish: FinishReason = "stop"
+        async for delta in self.deltas():
+            parts.append(delta.text)
+            finish = delta.finish_reason or finish
+        return "".join(parts), finish
+
+
+class _TrackedStreamingResponse(StreamingResponse):
+    """An SSE response that runs on_close however it ends: finished, client gone, or never started."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def _sse(payload: BaseModel) -> str:
+    return f"data: {payload.model_dump_json()}\n\n"
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """One line naming each invalid field, and the first one as the error's param."""
+    parts: list[str] = []
+    param: str | None = None
+    for error in exc.errors():
+        if error.get("type") == "json_invalid":
+            return f"the request body is not valid JSON: {error.get('ctx', {}).get('error', 'parse error')}", None
+        loc = [str(p) for p in error.get("loc", ()) if p != "body"]
+        msg = str(error.get("msg", "invalid")).removeprefix("Value error, ")
+        parts.append(f"{'.'.join(loc)}: {msg}" if loc else msg)
+        if param is None and loc:
+            param = loc[0]
+    return "; ".join(dict.fromkeys(parts)), param
+
+
+class EngineAPI:
+    """What the routes do: admission, prompt checks, submission to the engine, responses and streams."""
+
+    def __init__(self, engine: LLMEngine, tokenizer: ChatTokenizer) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.admission = Admission()
+        self.model_name = engine.config.name
+
+    def check_model(self, model: str | None) -> None:
+        """404 unless the request names this engine's model (or none)."""
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+    def max_tokens(self, prompt_len: int, requested: int | None, prompt_param: str) -> int:
+        """The completion budget: what was asked, or the default capped by the context that is left."""
+        limit = self.engine.max_model_len
+        room = limit - prompt_len
+        if room < 1:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {limit} tokens, but the prompt has {prompt_len} tokens "
+                f"and leaves no room for a completion. Please shorten the prompt.",
+                param=prompt_param,
+            )
+        if requested is None:
+            return min(self.engine.config.default_max_tokens, room)
+        if requested > room:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the completion). "
+                f"Please reduce the length of the prompt or max_tokens.",
+                param="max_tokens",
+            )
+        return requested
+
+    def admit(self, request: SamplingRequest, ids: list[int], prompt_param: str, id_prefix: str) -> TextGeneration:
+        """Check the request, admit it and submit its prompt; end it with release() (stream() does)."""
+        max_tokens = self.max_tokens(len(ids), request.requested_max_tokens(), prompt_param)
+        request_id = random_id(id_prefix)
+        self.admission.enter()
+        try:
+            params = request.sampling_params(max_tokens)
+            stream = self.engine.submit(ids, params, request_id)
+        except BaseException as exc:
+            self.admission.leave()
+            if isinstance(exc, ValueError):
+                raise ApiError(400, str(exc)) from exc
+            raise
+        hidden = {*self.engine.eos_token_ids, *self.tokenizer.eos_token_ids, *params.stop_token_ids}
+        return TextGeneration(request_id, stream, self.tokenizer, request.stop_strings(), hidden)
+
+    def release(self, generation: TextGeneration) -> None:
+        """End an admitted request: cancel it if unfinished, count it out, log it."""
+        generation.close()
+        self.admission.leave()
+        log.info(
+            "event=request id=%s prompt_tokens=%d completion_tokens=%d seconds=%.3f",
+            generation.request_id, generation.stream.prompt_tokens, generation.completion_tokens,
+            time.monotonic() - generation.started,
+        )  # fmt: skip
+
+    def stream(self, generation: TextGeneration, events: AsyncIterator[str]) -> StreamingResponse:
+        """The SSE response of an admitted request; it releases the request however the stream ends."""
+        return _TrackedStreamingResponse(events, on_close=lambda: self.release(generation))
+
+    async def collect(self, generation: TextGeneration) -> tuple[str, FinishReason]:
+        """Text and finish reason of an admitted request, released when done."""
+        try:
+            return await generation.collect()
+        except EngineFailure as exc:
+            raise exc.api_error from exc
+        finally:
+            self.release(generation)
+
+    def usage(self, generation: TextGeneration) -> Usage:
+        """Token counts: the prompt, and every token the engine generated (an eos included, though not shown)."""
+        return Usage.of(generation.stream.prompt_tokens, generation.completion_tokens)
+
+    def completion_prompt(self, request: CompletionRequest) -> list[int]:
+        """Token ids of a text completion's prompt (text, a one-element list of text, or token ids)."""
+        prompt = request.prompt
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt[0], str):
+            ids = self.tokenizer.encode(str(prompt[0]))
+        else:
+            ids = [int(i) for i in prompt]
+            vocab = self.tokenizer.vocab_size
+            bad = [i for i in ids if not 0 <= i < vocab]
+            if bad:
+                raise ApiError(400, f"prompt token ids out of range [0, {vocab}): {bad[:5]}", param="prompt")
+        if not ids:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        return ids
+
+    def chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
+        """Token ids of the chat, through the model's chat template."""
+        try:
+            return self.tokenizer.apply_chat_template(request.template_messages())
+        except ChatTemplateError as exc:
+            raise ApiError(400, str(exc), param="messages") from exc
+
+    async def chat_events(self, request: ChatCompletionRequest, generation: TextGeneration) -> AsyncIterator[str]:
+        """SSE events of a chat completion: the role, content deltas, the finish reason, usage if asked."""
+
+        def chunk(choices: list[ChatCompletionChunkChoice], usage: Usage | None = None) -> str:
+            return _sse(
+                ChatCompletionChunk(
+                    id=generation.request_id,
+                    created=generation.created,
+                    model=self.model_name,
+                    choices=choices,
+                    usage=usage,
+                )
+            )
+
+        yield chunk([ChatCompletionChunkChoice(delta=DeltaMessage(role="assistant", content=""))])
+        try:
+            async for delta in generation.deltas():
+                if delta.text or delta.finish_reason:
+                    content = DeltaMessage(content=delta.text or None)
+                    yield chunk([ChatCompletionChunkChoice(delta=content, finish_reason=delta.finish_reason)])
+        except EngineFailure as exc:
+            yield _sse(ErrorResponse(error=exc.api_error.info))
+            yield SSE_DONE
+            return
+        if request.include_usage():
+            yield chunk([], self.usage(generation))
+        yield SSE_DONE
+
+    async def completion_events(self, request: CompletionRequest, generation: TextGeneration) -> AsyncIterator[str]:
+        """SSE events of a text completion: text deltas, the finish reason, usage if asked."""
+
+        def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
+            return _sse(
+                CompletionChunk(
+                    id=generation.request_id,
+                    created=generation.created,
+                    model=self.model_name,
+                    choices=choices,
+                    usage=usage,
+                )
+            )
+
+        try:
+            async for delta in generation.deltas():
+                if delta.text or delta.finish_reason:
+                    yield chunk([CompletionChoice(text=delta.text, finish_reason=delta.finish_reason)])
+        except EngineFailure as exc:
+            yield _sse(ErrorResponse(error=exc.api_error.info))
+            yield SSE_DONE
+            return
+        if request.include_usage():
+            yield chunk([], self.usage(generation))
+        yield SSE_DONE
+
+
+def create_app(engine: LLMEngine, tokenizer: ChatTokenizer) -> FastAPI:
+    """The FastAPI app an engine worker serves on its Unix socket; app.state.api is what the worker drains."""
+    api = EngineAPI(engine, tokenizer)
+    app = FastAPI(title="warmgate engine", docs_url=None, redoc_url=None)
+    app.state.api = api
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        # OpenAI answers 400 for any invalid request; FastAPI's default is 422.
+        message, param = _validation_message(exc)
+        return error_response(ApiError(400, message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return error_response(ApiError(exc.status_code, str(exc.detail), kind))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("event=request_failed error=%s", type(exc).__name__)
+        return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        # A dead scheduler thread would hang every request: report it so the supervisor replaces us.
+        status = "draining" if api.admission.draining else "ok" if engine.alive else "dead"
+        body = HealthResponse(
+            status=status,
+            running=engine.num_running,
+            waiting=engine.num_waiting,
+            in_flight=api.admission.in_flight,
+        )
+        return JSONResponse(body.model_dump(mode="json"), status_code=200 if status == "ok" else 503)
+
+    @app.post("/drain")
+    async def drain(request: DrainRequest | None = None) -> DrainReport:
+        report = await api.admission.drain(request.timeout if request else None)
+        log.info(
+            "event=drain drained=%s in_flight_at_start=%d remaining=%d seconds=%.3f",
+            report.drained, report.in_flight_at_start, report.remaining, report.seconds,
+        )  # fmt: skip
+        return report
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        card = ModelCard(id=api.model_name, root=str(engine.config.model), max_model_len=engine.max_model_len)
+        return ModelList(data=[card])
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(request: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
+        api.check_model(request.model)
+        generation = api.admit(request, api.chat_prompt(request), "messages", "chatcmpl")
+        if request.stream:
+            return api.stream(generation, api.chat_events(request, generation))
+        text, reason = await api.collect(generation)
+        choice = ChatCompletionChoice(message=AssistantMessage(content=text), finish_reason=reason)
+        body = ChatCompletionResponse(
+            id=generation.request_id,
+            created=generation.created,
+            model=api.model_name,
+            choices=[choice],
+            usage=api.usage(generation),
+        )
+        return JSONResponse(body.model_dump(mode="json"))
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: CompletionRequest) -> JSONResponse | StreamingResponse:
+        api.check_model(request.model)
+        generation = api.admit(request, api.completion_prompt(request), "prompt", "cmpl")
+        if request.stream:
+            return api.stream(generation, api.completion_events(request, generation))
+        text, reason = await api.collect(generation)
+        choice = CompletionChoice(text=text, finish_reason=reason)
+        body = CompletionResponse(
+            id=generation.request_id,
+            created=generation.created,
+            model=api.model_name,
+            choices=[choice],
+            usage=api.usage(generation),
+        )
+        return JSONResponse(body.model_dump(mode="json"))
+
+    return app

@@ -1,0 +1,170 @@
+"""Tokenizer and chat template for the engine, read from a checkpoint without importing transformers.
+
+The `tokenizers` package loads tokenizer.json and jinja2 renders the chat template the way
+transformers does, so prompts match token for token while start-up stays well under a second.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+# Special tokens transformers hands to every chat template (from its special_tokens_map).
+_TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+class ChatTemplateError(ValueError):
+    """The chat template is missing or refused the messages (a raise_exception in the template)."""
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
+    # jinja's own tojson escapes HTML characters, which changes what the model sees; transformers overrides it too.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """Compile a chat template in the sandboxed environment transformers uses, with its globals and filters."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+def _token_content(value: Any) -> str | None:
+    # tokenizer_config.json writes special tokens either as a string or as a serialized AddedToken.
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class ChatTokenizer:
+    """Encode, decode and apply the chat template of one checkpoint directory."""
+
+    def __init__(self, path: Path | str) -> None:
+        path = Path(path)
+        self.path = path
+        if not (path / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"{path}: no tokenizer.json (the engine reads the tokenizer from the checkpoint)")
+        self._tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        config = _read_json(path / "tokenizer_config.json")
+        self.special_tokens: dict[str, str] = {}
+        for name in _TEMPLATE_TOKENS:
+            content = _token_content(config.get(name))
+            if content is not None:
+                self.special_tokens[name] = content
+        self.eos_token_ids = self._find_eos_ids(_read_json(path / "generation_config.json"))
+
+        # transformers prefers a chat_template.jinja file over the copy in tokenizer_config.json.
+        template_file = path / "chat_template.jinja"
+        source = template_file.read_text() if template_file.is_file() else config.get("chat_template")
+        if isinstance(source, list):  # named templates: [{"name": "default", "template": ...}, ...]
+            source = next((t["template"] for t in source if t.get("name") == "default"), None)
+        self.chat_template: str | None = source if isinstance(source, str) else None
+        self._template = compile_chat_template(source) if isinstance(source, str) else None
+
+    def _find_eos_ids(self, generation_config: dict[str, Any]) -> list[int]:
+        ids: list[int] = []
+        configured = generation_config.get("eos_token_id")
+        if isinstance(configured, int):
+            ids.append(configured)
+        elif isinstance(configured, list):
+            ids.extend(i for i in configured if isinstance(i, int))
+        eos = self.special_tokens.get("eos_token")
+        eos_id = self._tokenizer.token_to_id(eos) if eos is not None else None
+        if eos_id is not None and eos_id not in ids:
+            ids.append(eos_id)
+        return ids
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the tokenizer knows, added tokens included."""
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a plain prompt; special tokens only where the tokenizer's post-processor adds them."""
+        return self._tokenizer.encode(text, add_special_tokens=True).ids
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The prompt text the chat template makes of the messages."""
+        if self._template is None:
+            raise ChatTemplateError(f"the model at {self.path} has no chat template; use /v1/completions")
+        try:
+            return self._template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
+            )
+        except jinja2.exceptions.TemplateError as exc:
+            raise ChatTemplateError(f"chat template error: {exc}") from exc
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the rendered chat; the template writes its own special tokens, so none are added."""
+        text = self.render_chat(messages, add_generation_prompt)
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text of the token ids."""
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def incremental_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
+        """A decoder that turns a stream of token ids into text deltas."""
+        return IncrementalDecoder(self._tokenizer, skip_special_tokens)
+
+
+class IncrementalDecoder:
+    """Feed token ids one at a time and get the new text; text ending in a partial UTF-8 character waits.
+
+    Decoding a short window (the tokens since the previous emit plus a few before) instead of each token
+    alone keeps spaces and multi-byte characters that span tokens right, at constant cost per token.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix_offset = 0  # start of the context window
+        self._read_offset = 0  # end of what has been emitted
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
+
+    def add(self, token_id: int) -> str:
+        """The text this token completes ("" while a character is still incomplete)."""
+        self._ids.append(token_id)
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        text = self._decode(self._ids[self._prefix_offset :])
+        if len(text) > len(prefix) and not text.endswith("\ufffd"):
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._ids)
+            return text[len(prefix) :]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held back (the stream ended, complete or not)."""
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        text = self._decode(self._ids[self._prefix_offset :])
+        self._prefix_offset = self._read_offset = len(self._ids)
+        return text[len(prefix) :]
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    return data if isinstance(data, dict) else {}

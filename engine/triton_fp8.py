@@ -1,0 +1,74 @@
+"""Block-FP8 W8A8 GEMM in Triton, for the sizes cuBLAS' blockwise scaled_mm handles badly.
+
+cuBLAS' blockwise kernel is built for large M and wants scale dimensions in multiples
+of 4 blocks; at decode sizes it leaves most of HBM bandwidth unused. This kernel has the
+same numerics (activations quantized to e4m3 per token and group of 128, FP8 x FP8 dot
+per 128x128 weight block, both scales applied to the fp32 partial product), streams the
+weight once, and splits K across programs so every SM has loads in flight. It consumes
+the same processed tensors: weight [Np, Kp] (padded to 128), weight_scale [>=Np/128, >=Kp/128].
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_K = 128
+FP8_MAX = 448.0
+
+
+@triton.jit
+def _fp8_block_gemm(
+    x_ptr, w_ptr, s_ptr, out_ptr, M, stride_xm, stride_wn, stride_sn, stride_om,
+    K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ATOMIC: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m[:, None] < M
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_begin = pid_k * K_PER_SPLIT
+    for k0 in range(k_begin, k_begin + K_PER_SPLIT, BLOCK_K):
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=m_mask, other=0.0).to(tl.float32)
+        # Dynamic activation scale per token and group of 128, as the checkpoint's scheme says.
+        x_scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / FP8_MAX
+        xq = (x / x_scale[:, None]).to(tl.float8e4nv)
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :])
+        w_scale = tl.load(s_ptr + (offs_n // 128) * stride_sn + k0 // 128)
+        part = tl.dot(xq, tl.trans(w))
+        acc += part * x_scale[:, None] * w_scale[None, :]
+    out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    if ATOMIC:
+        tl.atomic_add(out, acc, mask=m_mask)
+    else:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask)
+
+
+def fp8_block_gemm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, block_n: int = 64,
+                   split_k: int | None = None) -> torch.Tensor:  # fmt: skip
+    """x [M, Kp] bf16, w [Np, Kp] fp8, s [>=Np/128, >=Kp/128] fp32 -> [M, Np] in x's dtype."""
+    m, kp = x.shape
+    np_ = w.shape[0]
+    block_m = min(64, max(16, triton.next_power_of_2(m)))
+    m_tiles = triton.cdiv(m, block_m)
+    n_programs = np_ // block_n
+    k_blocks = kp // BLOCK_K
+    if split_k is None:
+        # Enough programs to keep every SM streaming: about four waves over the SMs.
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        split_k = max(1, min(k_blocks, (4 * sms) // max(1, n_programs * m_tiles)))
+        while k_blocks % split_k:
+            split_k -= 1
+    atomic = split_k > 1
+    out = torch.zeros(m, np_, dtype=torch.float32, device=x.device) if atomic else x.new_empty(m, np_)
+    _fp8_block_gemm[(n_programs, split_k, m_tiles)](
+        x, w, s, out, m, x.stride(0), w.stride(0), s.stride(0), out.stride(0),
+        K_PER_SPLIT=kp // split_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, ATOMIC=atomic,
+        num_warps=4, num_stages=4,
+    )  # fmt: skip
+    return out.to(x.dtype) if atomic else out

@@ -1,0 +1,177 @@
+"""The engine worker process: load one model, then serve the engine API on a Unix socket until SIGTERM.
+
+Start-up is the cost of every engine restart, so each phase is logged with its duration, and the
+heavy imports (torch, the model code, FastAPI) happen inside main() where they are timed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import stat
+import time
+from collections.abc import Generator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import uvicorn
+    from fastapi import FastAPI
+
+    from engine.llm_engine import LLMEngine
+    from engine.server import EngineAPI
+
+log = logging.getLogger("warmgate.engine.worker")
+
+DEFAULT_DRAIN_TIMEOUT = 30.0  # seconds a SIGTERM waits for in-flight requests before the worker exits anyway
+
+
+def log_event(event: str, **fields: Any) -> None:
+    """One structured log line: event=... key=value ..."""
+    parts = [f"event={event}"]
+    for key, value in fields.items():
+        text = f"{value:.3f}" if isinstance(value, float) else str(value)
+        parts.append(f"{key}={text}" if " " not in text else f'{key}="{text}"')
+    log.info(" ".join(parts))
+
+
+def _configure_logging() -> None:
+    # Only when nobody (a test, an embedding program) has configured logging already.
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=logging.INFO,
+            format="ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
+            datefmt="%Y-%m-%dT%H:%M:%S",
+        )
+
+
+def bind_unix_socket(path: Path) -> socket.socket:
+    """A listening socket at path, mode 0600; a stale socket file is replaced, a live one is an error."""
+    if path.exists() or path.is_symlink():
+        if not stat.S_ISSOCK(path.lstat().st_mode):
+            raise FileExistsError(f"{path} exists and is not a socket; refusing to replace it")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(path))
+        except (ConnectionRefusedError, FileNotFoundError):
+            path.unlink(missing_ok=True)  # left behind by a worker that died
+        else:
+            raise FileExistsError(f"another process is serving on {path}")
+        finally:
+            probe.close()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    # Set through the umask, the socket is 0600 from the moment it exists (a chmod after bind leaves a window).
+    old_umask = os.umask(0o177)
+    try:
+        sock.bind(str(path))
+    finally:
+        os.umask(old_umask)
+    sock.listen(256)
+    sock.setblocking(False)
+    return sock
+
+
+def _server_class() -> type[uvicorn.Server]:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server without its signal handlers: the worker drains before it lets uvicorn stop."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Generator[None, None, None]:
+            yield
+
+    return Server
+
+
+async def _serve(app: FastAPI, api: EngineAPI, engine: LLMEngine, sock: socket.socket, drain_timeout: float) -> None:
+    import uvicorn
+
+    # The socket is bound by bind_unix_socket (uvicorn's own uds binding would chmod it 0666). Requests get
+    # their grace period from the drain; whatever outlives it is cut after a second, not waited for forever.
+    config = uvicorn.Config(
+        app, log_config=None, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=1
+    )
+    server = _server_class()(config)
+    loop = asyncio.get_running_loop()
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def drain_then_exit(signame: str) -> None:
+        report = await api.admission.drain(drain_timeout)
+        log_event(
+            "shutdown",
+            signal=signame,
+            drained=report.drained,
+            in_flight_at_start=report.in_flight_at_start,
+            remaining=report.remaining,
+            seconds=report.seconds,
+        )
+        server.should_exit = True
+
+    def on_signal(sig: signal.Signals) -> None:
+        if tasks:  # a second signal: stop waiting for the drain
+            server.should_exit = server.force_exit = True
+            return
+        task = loop.create_task(drain_then_exit(sig.name))
+        tasks.add(task)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        # Stop the engine while the loop still runs: requests it aborts are told so through this loop.
+        engine.stop()
+
+
+def main(socket_path: str | Path, config_source: str, drain_timeout: float = DEFAULT_DRAIN_TIMEOUT) -> int:
+    """Run an engine worker: build the engine from the config (file or inline JSON), serve it on socket_path."""
+    started = time.perf_counter()
+    _configure_logging()
+    socket_path = Path(socket_path)
+    log_event("startup", phase="begin", socket=socket_path, pid=os.getpid())
+
+    from engine.config import EngineConfig
+
+    config = EngineConfig.load(config_source)  # before the heavy imports: a bad config fails at once
+
+    t = time.perf_counter()
+    import torch
+
+    torch_seconds = time.perf_counter() - t
+    from engine.llm_engine import LLMEngine
+    from engine.server import create_app
+    from engine.tokenizer import ChatTokenizer
+
+    log_event(
+        "startup", phase="import", seconds=time.perf_counter() - t, torch_seconds=torch_seconds, torch=torch.__version__
+    )
+
+    t = time.perf_counter()
+    tokenizer = ChatTokenizer(config.model)
+    log_event("startup", phase="tokenizer", seconds=time.perf_counter() - t)
+
+    t = time.perf_counter()
+    engine = LLMEngine(config)  # logs its own phases: device_init, weight_load, kv_alloc, warmup
+    log_event("startup", phase="engine", seconds=time.perf_counter() - t, model=config.name, device=config.device)
+
+    engine.start()
+    try:
+        app = create_app(engine, tokenizer)
+        sock = bind_unix_socket(socket_path)
+    except BaseException:
+        engine.stop()
+        raise
+    log_event("ready", socket=socket_path, seconds=time.perf_counter() - started, **engine.startup_phases)
+    try:
+        asyncio.run(_serve(app, app.state.api, engine, sock, drain_timeout))
+    finally:
+        sock.close()
+        socket_path.unlink(missing_ok=True)
+    log_event("exit", seconds=time.perf_counter() - started)
+    return 0

@@ -1,0 +1,398 @@
+"""The engine worker as a real process on a real Unix socket, driving the real engine on the bf16 demo model (CPU)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from conftest import PROMPT
+
+from engine.tokenizer import ChatTokenizer
+from engine.worker import bind_unix_socket
+
+REPO = Path(__file__).resolve().parents[1]
+START_DEADLINE = 120.0  # seconds; start-up takes a few seconds here, a cold page cache more
+MAX_MODEL_LEN = 1024  # small KV cache: a faster start, and a prompt that is too long stays cheap to build
+FRANCE = [{"role": "user", "content": PROMPT}]
+
+
+@dataclass
+class Worker:
+    proc: subprocess.Popen[bytes]
+    socket: Path
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def client(self) -> httpx.AsyncClient:
+        transport = httpx.AsyncHTTPTransport(uds=str(self.socket))
+        return httpx.AsyncClient(transport=transport, base_url="http://engine", timeout=60)
+
+    def exit_code(self, timeout: float) -> int:
+        return self.proc.wait(timeout=timeout)
+
+
+def start_worker(directory: Path, model: Path) -> Worker:
+    """Start `warmgate engine` and wait until /health answers (or the process dies, or the deadline passes)."""
+    sock = directory / "engine.sock"
+    config = json.dumps({"model": str(model), "max_num_seqs": 8, "max_model_len": MAX_MODEL_LEN})
+    log_path = directory / "engine.log"
+    with log_path.open("wb") as log:
+        cmd = [sys.executable, "-m", "app.cli", "engine", "--socket", str(sock), "--config", config]
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    worker = Worker(proc, sock, log_path)
+    deadline = time.monotonic() + START_DEADLINE
+    transport = httpx.HTTPTransport(uds=str(sock))
+    with httpx.Client(transport=transport, base_url="http://engine", timeout=5) as client:
+        while time.monotonic() < deadline:
+            if sock.exists():
+                try:
+                    if client.get("/health").status_code == 200:
+                        return worker
+                except httpx.TransportError:
+                    pass
+            try:  # doubles as the poll interval: returns at once if the worker died
+                code = proc.wait(timeout=0.1)
+            except subprocess.TimeoutExpired:
+                continue
+            pytest.fail(f"engine worker exited with {code} during start-up:\n{worker.log()}")
+    stop_worker(worker)
+    pytest.fail(f"engine worker not healthy after {START_DEADLINE}s:\n{worker.log()}")
+
+
+def stop_worker(worker: Worker) -> None:
+    if worker.proc.poll() is None:
+        worker.proc.send_signal(signal.SIGTERM)
+        try:
+            worker.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            worker.proc.kill()
+            worker.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def model(demo_path) -> Path:
+    return demo_path("bf16")
+
+
+@pytest.fixture(scope="module")
+def worker(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
+    running = start_worker(tmp_path_factory.mktemp("engine"), model)
+    yield running
+    stop_worker(running)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model: Path) -> ChatTokenizer:
+    return ChatTokenizer(model)
+
+
+async def read_stream(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The JSON events of an SSE response, checking the framing and the closing [DONE]."""
+    async with client.stream("POST", path, json={**body, "stream": True}) as response:
+        assert response.status_code == 200, await response.aread()
+        assert response.headers["content-type"].startswith("text/event-stream")
+        raw = (await response.aread()).decode()
+    events = raw.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""], raw[-200:]
+    assert all(e.startswith("data: ") for e in events[:-1])
+    return [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+
+
+def chat_stream_text(events: list[dict[str, Any]]) -> tuple[str, str, list[str]]:
+    """(text, finish_reason, content pieces) of a chat stream, checking its shape."""
+    choices = [e["choices"][0] for e in events if e["choices"]]
+    assert choices[0]["delta"] == {"role": "assistant", "content": ""}
+    pieces = [c["delta"]["content"] for c in choices[1:] if c["delta"].get("content")]
+    finishes = [c["finish_reason"] for c in choices if c["finish_reason"] is not None]
+    assert len(finishes) == 1 and choices[-1]["finish_reason"] == finishes[0]
+    assert all(e["object"] == "chat.completion.chunk" and e["id"] == events[0]["id"] for e in events)
+    return "".join(pieces), finishes[0], pieces
+
+
+def assert_openai_error(response: httpx.Response, status: int, *words: str) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    for word in words:
+        assert word in body["error"]["message"], body
+    return body["error"]
+
+
+def test_startup_phases_logged_and_socket_private(worker: Worker) -> None:
+    log = worker.log()
+    for phase in ("import", "tokenizer", "device_init", "weight_load", "kv_alloc", "warmup"):
+        assert f"event=startup phase={phase} seconds=" in log, log
+    assert "event=ready" in log
+    assert stat.S_IMODE(worker.socket.stat().st_mode) == 0o600
+
+
+def test_models_and_health(worker: Worker, model: Path) -> None:
+    async def run() -> None:
+        async with worker.client() as client:
+            models = (await client.get("/v1/models")).json()
+            health = await client.get("/health")
+        assert models["object"] == "list"
+        assert [(m["id"], m["object"], m["max_model_len"]) for m in models["data"]] == [
+            (model.name, "model", MAX_MODEL_LEN)
+        ]
+        assert health.status_code == 200 and health.json()["status"] == "ok"
+
+    asyncio.run(run())
+
+
+def test_concurrent_chat_and_completions(worker: Worker, tokenizer: ChatTokenizer, model: Path) -> None:
+    greedy = {"messages": FRANCE, "temperature": 0, "model": model.name}
+    completion = {"prompt": "The capital of France is", "temperature": 0, "max_tokens": 5, "ignore_eos": True}
+
+    async def run() -> list[Any]:
+        async with worker.client() as client:
+            return await asyncio.gather(
+                client.post("/v1/chat/completions", json=greedy),
+                read_stream(client, "/v1/chat/completions", {**greedy, "stream_options": {"include_usage": True}}),
+                client.post("/v1/chat/completions", json={**greedy, "max_tokens": 5}),
+                client.post("/v1/chat/completions", json={**greedy, "stop": [" Paris", "Lyon"]}),
+                read_stream(client, "/v1/chat/completions", {**greedy, "stop": " Paris"}),
+                client.post("/v1/completions", json=completion),
+                read_stream(client, "/v1/completions", {**completion, "stream_options": {"include_usage": True}}),
+            )
+
+    plain, streamed, short, stopped, stopped_stream, text, text_stream = asyncio.run(run())
+    prompt_tokens = len(tokenizer.apply_chat_template(FRANCE))
+
+    assert plain.status_code == 200, plain.text
+    body = plain.json()
+    assert body["object"] == "chat.completion" and body["model"] == model.name
+    answer = body["choices"][0]
+    assert answer["message"]["role"] == "assistant" and "Paris" in answer["message"]["content"]
+    assert answer["finish_reason"] == "stop" and "<|im_end|>" not in answer["message"]["content"]
+    usage = body["usage"]
+    assert usage["prompt_tokens"] == prompt_tokens
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+    text_out, finish, pieces = chat_stream_text(streamed)
+    assert (text_out, finish) == (answer["message"]["content"], "stop")
+    assert streamed[-1]["choices"] == [] and streamed[-1]["usage"] == usage
+    # Each token of this English answer is a chunk; the final <|im_end|> is counted but never shown.
+    assert usage["completion_tokens"] == len(pieces) + 1
+
+    short_body = short.json()
+    assert short_body["choices"][0]["finish_reason"] == "length"
+    assert short_body["usage"]["completion_tokens"] == 5
+    assert answer["message"]["content"].startswith(short_body["choices"][0]["message"]["content"])
+
+    before_paris = answer["message"]["content"].split(" Paris")[0]
+    assert stopped.json()["choices"][0] == {
+        "index": 0,
+        "message": {"role": "assistant", "content": before_paris},
+        "finish_reason": "stop",
+        "logprobs": None,
+    }
+    assert chat_stream_text(stopped_stream)[:2] == (before_paris, "stop")
+
+    text_body = text.json()
+    assert text_body["object"] == "text_completion"
+    assert text_body["choices"][0]["finish_reason"] == "length" and "Paris" in text_body["choices"][0]["text"]
+    assert text_body["usage"] == {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10}
+    choices = [e["choices"][0] for e in text_stream if e["choices"]]
+    assert "".join(c["text"] for c in choices) == text_body["choices"][0]["text"]
+    assert len(choices) == 5 and choices[-1]["finish_reason"] == "length"
+    assert text_stream[-1]["usage"] == text_body["usage"]
+
+
+BAD_REQUESTS = [
+    ("/v1/chat/completions", {"temperature": 0}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": FRANCE, "temperature": -1}, 400, "temperature"),
+    ("/v1/chat/completions", {"messages": FRANCE, "n": 2}, 400, "n=1"),
+    ("/v1/chat/completions", {"messages": FRANCE, "logprobs": True}, 400, "logprobs"),
+    ("/v1/chat/completions", {"messages": FRANCE, "max_tokens": 5000}, 400, "maximum context length"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "text"),
+    ("/v1/chat/completions", {"messages": FRANCE, "model": "gpt-4o"}, 404, "gpt-4o"),
+    ("/v1/completions", {"prompt": "hello " * (MAX_MODEL_LEN + 10)}, 400, "maximum context length"),
+    ("/v1/completions", {"prompt": ["one", "two"]}, 400, "one prompt"),
+    ("/v1/completions", {"prompt": [1, 10**9]}, 400, "out of range"),
+]
+
+
+def test_bad_requests_get_openai_errors(worker: Worker) -> None:
+    async def run() -> list[httpx.Response]:
+        async with worker.client() as client:
+            sent = [client.post(path, json=body) for path, body, _, _ in BAD_REQUESTS]
+            headers = {"content-type": "application/json"}
+            sent.append(client.post("/v1/chat/completions", content=b"{not json", headers=headers))
+            return await asyncio.gather(*sent)
+
+    responses = asyncio.run(run())
+    for (path, body, status, word), response in zip(BAD_REQUESTS, responses, strict=False):
+        error = assert_openai_error(response, status, word)
+        assert error["type"] == "invalid_request_error", (path, body, error)
+    assert_openai_error(responses[-1], 400, "JSON")
+
+
+def test_client_disconnect_cancels_the_request(worker: Worker) -> None:
+    body = {"prompt": "Once upon a time", "max_tokens": 500, "ignore_eos": True, "stream": True}
+
+    async def run() -> dict[str, Any]:
+        async with worker.client() as client:
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: "):
+                        break  # one token arrived: the request is running; leaving closes the connection
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                health = (await client.get("/health")).json()
+                if health["running"] == 0 and health["in_flight"] == 0:
+                    return health
+                await asyncio.sleep(0.05)
+            return health
+
+    health = asyncio.run(run())
+    assert health["running"] == 0 and health["in_flight"] == 0, health
+
+
+def test_openai_client(worker: Worker, model: Path) -> None:
+    import openai
+
+    http = httpx.Client(transport=httpx.HTTPTransport(uds=str(worker.socket)))
+    client = openai.OpenAI(base_url="http://engine/v1", api_key="x", http_client=http)
+    chat = client.chat.completions.create(model=model.name, messages=FRANCE, temperature=0)
+    assert "Paris" in (chat.choices[0].message.content or "") and chat.choices[0].finish_reason == "stop"
+    assert chat.usage is not None and chat.usage.completion_tokens > 0
+
+    stream = client.completions.create(
+        model=model.name,
+        prompt="The capital of France is",
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert "Paris" in text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("length", "stop")
+    assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens == 5
+
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=model.name, messages=FRANCE, temperature=-1)
+    http.close()
+
+
+def long_story(max_tokens: int) -> dict[str, Any]:
+    """A streamed completion that runs exactly max_tokens tokens, ending with a usage chunk."""
+    return {
+        "prompt": "Once upon a time",
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+def completed_stream(lines: list[str]) -> tuple[str | None, int]:
+    """(finish_reason, completion_tokens) of a streamed completion's SSE lines, which must end with [DONE]."""
+    assert lines[-1] == "data: [DONE]", lines[-3:]
+    events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    return events[-2]["choices"][0]["finish_reason"], events[-1]["usage"]["completion_tokens"]
+
+
+def test_drain_finishes_streams_and_refuses_new_requests(model: Path, tmp_path: Path) -> None:
+    worker = start_worker(tmp_path, model)
+
+    async def run() -> tuple[list[str], dict[str, Any], httpx.Response, httpx.Response]:
+        async with worker.client() as client:
+            first_token = asyncio.Event()
+
+            async def stream() -> list[str]:
+                lines: list[str] = []
+                async with client.stream("POST", "/v1/completions", json=long_story(24)) as response:
+                    async for line in response.aiter_lines():
+                        if line:
+                            lines.append(line)
+                            first_token.set()
+                return lines
+
+            streaming = asyncio.create_task(stream())
+            await asyncio.wait_for(first_token.wait(), 30)
+            draining = asyncio.create_task(client.post("/drain", json={"timeout": 60}))
+            deadline = time.monotonic() + 10
+            health = await client.get("/health")
+            while health.status_code != 503 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+                health = await client.get("/health")
+            refused = await client.post("/v1/chat/completions", json={"messages": FRANCE})
+            lines = await streaming
+            report = (await draining).json()
+            return lines, report, health, refused
+
+    try:
+        lines, report, health, refused = asyncio.run(run())
+        worker.proc.send_signal(signal.SIGTERM)
+        code = worker.exit_code(timeout=30)
+    finally:
+        stop_worker(worker)
+    assert health.status_code == 503 and health.json()["status"] == "draining"
+    error = assert_openai_error(refused, 503, "draining")
+    assert error["type"] == "service_unavailable"
+    assert completed_stream(lines) == ("length", 24), "the stream in flight runs to its end"
+    assert report["drained"] is True and report["in_flight_at_start"] == 1 and report["remaining"] == 0
+    assert report["seconds"] > 0
+    assert code == 0, worker.log()
+
+
+def test_sigterm_lets_the_stream_in_flight_finish_then_exits(model: Path, tmp_path: Path) -> None:
+    worker = start_worker(tmp_path, model)
+
+    async def run() -> list[str]:
+        lines: list[str] = []
+        async with worker.client() as client, client.stream("POST", "/v1/completions", json=long_story(16)) as response:
+            async for line in response.aiter_lines():
+                if line and not lines:
+                    worker.proc.send_signal(signal.SIGTERM)  # the first token is out: the request is in flight
+                if line:
+                    lines.append(line)
+        return lines
+
+    try:
+        lines = asyncio.run(run())
+        code = worker.exit_code(timeout=30)
+    finally:
+        stop_worker(worker)
+    assert completed_stream(lines) == ("length", 16)
+    assert code == 0, worker.log()
+    assert not worker.socket.exists()
+    log = worker.log()
+    assert "event=shutdown signal=SIGTERM drained=True in_flight_at_start=1 remaining=0" in log, log
+    assert "event=exit" in log
+
+
+def test_bind_replaces_a_stale_socket_but_not_a_live_one_or_a_file(tmp_path: Path) -> None:
+    path = tmp_path / "engine.sock"
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(path))
+    stale.close()  # what a killed worker leaves behind: the file, nobody listening
+    live = bind_unix_socket(path)
+    try:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        with pytest.raises(FileExistsError, match="another process"):
+            bind_unix_socket(path)
+    finally:
+        live.close()
+    regular = tmp_path / "notes.txt"
+    regular.write_text("keep me")
+    with pytest.raises(FileExistsError, match="not a socket"):
+        bind_unix_socket(regular)
+    assert regular.read_text() == "keep me"
