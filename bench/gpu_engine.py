@@ -94,6 +94,85 @@ def kernel_checks() -> None:
     RESULTS["kernels"] = rows
 
 
+def triton_sweep() -> None:
+    """Kernel-only times (CUDA-graph replay) of the Triton kernel's tile/split choices at decode sizes."""
+    from triton.testing import do_bench_cudagraph
+
+    from engine.triton_fp8 import fp8_block_gemm
+
+    dev = torch.device("cuda")
+    rows = []
+    for n, k in [(4096, 4096), (14336, 4096), (4096, 14336)]:
+        w = torch.randint(-100, 100, (n, k), dtype=torch.int8, device=dev).view(torch.float8_e4m3fn)
+        s = torch.rand(n // 128, k // 128, device=dev) + 0.5
+        for m in (1, 16, 64):
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            for block_n in (32, 64, 128):
+                for split in (None, 1, 2, 4, 8, 16):
+                    try:
+                        ms = do_bench_cudagraph(lambda: fp8_block_gemm(x, w, s, block_n=block_n, split_k=split))
+                        rows.append({"M": m, "N": n, "K": k, "block_n": block_n, "split_k": split or "auto",
+                                     "us": ms * 1e3, "GBps": n * k / (ms / 1e3) / 1e9})  # fmt: skip
+                    except Exception as exc:
+                        rows.append(
+                            {"M": m, "N": n, "K": k, "block_n": block_n, "split_k": split, "error": str(exc)[:200]}
+                        )
+        best = {}
+        for r in rows:
+            key = (r["M"], r["N"], r["K"])
+            if "us" in r and (key not in best or r["us"] < best[key]["us"]):
+                best[key] = r
+        print(
+            {str(k): (v["block_n"], v["split_k"], round(v["us"], 1), round(v["GBps"])) for k, v in best.items()},
+            flush=True,
+        )
+    RESULTS["triton_sweep"] = rows
+
+
+def profile_decode(ckpt: Path) -> None:
+    """Where a decode step's GPU time goes (eager, so kernels are visible), at batch 1 and 64."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=ckpt, device="cuda", max_num_seqs=64, max_model_len=1024,
+                                    cuda_graphs=False))  # fmt: skip
+    out = {}
+    for b in (1, 64):
+        tokens = torch.randint(100, 30000, (b,), device="cuda")
+        positions = torch.full((b,), 200, device="cuda")
+        with torch.inference_mode():
+            for _ in range(3):
+                engine.model.logits(engine.model.decode(tokens, positions, engine.kv, 256))
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                engine.model.logits(engine.model.decode(tokens, positions, engine.kv, 256))
+                torch.cuda.synchronize()
+        events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
+        total = sum(e.device_time_total for e in events)
+        out[str(b)] = {"gpu_us_total": total, "kernels": len(events),
+                       "top": [(e.key[:80], e.count, round(e.device_time_total)) for e in events[:15]]}  # fmt: skip
+        print(b, out[str(b)], flush=True)
+    RESULTS["decode_profile"] = out
+    del engine
+    torch.cuda.empty_cache()
+
+
+def engine_variants(ckpt: Path, new_tokens: int) -> None:
+    """Decode with cuBLAS scaled_mm for 2 <= M <= 64 instead of the Triton kernel."""
+    import engine.kernels as kernels
+
+    kernels.SMALL_M = 1
+    saved = dict(RESULTS)
+    engine_bench(ckpt, [1, 16, 64], new_tokens)
+    RESULTS["engine_decode_cublas_small_m"] = RESULTS["engine_decode"]
+    for key in ("engine_decode", "engine_prefill", "engine_startup", "hbm_floor"):
+        if key in saved:
+            RESULTS[key] = saved[key]
+    kernels.SMALL_M = 64
+
+
 def engine_bench(ckpt: Path, batches: list[int], new_tokens: int) -> None:
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
@@ -235,6 +314,9 @@ def main() -> None:
         ("graphs", lambda: cuda_graph_consistency(args.work / "qwen3-0.6b-fp8-block")),
         ("engine", lambda: engine_bench(args.work / "llama3-8b-fp8-block", batches, args.new_tokens)),
         ("hf", lambda: hf_bench(args.work / "llama3-8b-fp8-block", batches, args.new_tokens)),
+        ("sweep", triton_sweep),
+        ("profile", lambda: profile_decode(args.work / "llama3-8b-fp8-block")),
+        ("variants", lambda: engine_variants(args.work / "llama3-8b-fp8-block", args.new_tokens)),
     ]
     for name, step in steps:
         if name in args.skip:

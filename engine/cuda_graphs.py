@@ -9,14 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.kv_cache import KVCache
+from engine.kv_cache import KVCache, next_pow2, span_bucket
 from engine.model import Transformer
-
-MIN_SPAN = 64
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 class GraphedDecode:
@@ -31,8 +25,7 @@ class GraphedDecode:
         self.pool = torch.cuda.graph_pool_handle()
 
     def buckets(self, batch: int, longest: int) -> tuple[int, int]:
-        span = min(self.kv.spec.max_len, max(MIN_SPAN, _next_pow2(longest)))
-        return min(self.max_batch, _next_pow2(batch)), span
+        return min(self.max_batch, next_pow2(batch)), span_bucket(longest, self.kv.spec.max_len)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, longest: int) -> torch.Tensor:
         """Logits [B, vocab] for B sequences in slots 0..B-1; ``longest`` >= max(positions) + 1."""

@@ -48,7 +48,8 @@ def quantize_per_token_group(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     groups = x.view(m, k // FP8_BLOCK, FP8_BLOCK).float()
     scale = groups.abs().amax(dim=-1).clamp_min(1e-12) / FP8_MAX
     q = (groups / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(m, k)
-    return q, scale.t().contiguous().t()  # the blockwise kernel wants column-major activation scales
+    # The blockwise kernel wants column-major activation scales: strides (1, M), also when M == 1.
+    return q, scale.t().contiguous().as_strided((m, k // FP8_BLOCK), (1, m))
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

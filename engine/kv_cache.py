@@ -13,6 +13,17 @@ import torch
 
 from cache.checkpoint.architecture import ModelShape
 
+MIN_SPAN = 64
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def span_bucket(longest: int, max_len: int) -> int:
+    """How many cache positions decode attention reads: a power of two >= ``longest`` (few distinct shapes)."""
+    return min(max_len, max(MIN_SPAN, next_pow2(longest)))
+
 
 @dataclass(frozen=True)
 class KVCacheSpec:

@@ -23,7 +23,7 @@ import torch
 from cache.processing import compute_dtype
 from engine.config import EngineConfig
 from engine.cuda_graphs import GraphedDecode
-from engine.kv_cache import KVCache, KVCacheSpec
+from engine.kv_cache import KVCache, KVCacheSpec, span_bucket
 from engine.model import ModelArgs, Transformer
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
@@ -32,7 +32,6 @@ from engine.weights import DiskWeights, WeightSource
 
 log = logging.getLogger("warmgate.engine")
 DEFAULT_MAX_MODEL_LEN = 4096
-SPAN_BUCKET = 64  # decode attention reads the cache in multiples of this many positions
 
 
 @dataclass(frozen=True)
@@ -202,7 +201,7 @@ class LLMEngine:
         if self.graphs is not None:
             logits = self.graphs(tokens, positions, longest)
         else:
-            span = min(self.max_model_len, -(-longest // SPAN_BUCKET) * SPAN_BUCKET)
+            span = span_bucket(longest, self.max_model_len)
             logits = self.model.logits(self.model.decode(tokens, positions, self.kv, span))
         self._advance(running, logits)
 

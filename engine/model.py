@@ -151,43 +151,68 @@ class Transformer:
         freqs = torch.outer(positions, inv_freq)
         self.cos, self.sin = freqs.cos(), freqs.sin()
         self.scale = 1.0 / math.sqrt(s.head_dim)
+        self.fused = self.device.type == "cuda"  # Triton kernels for norms and rotary embedding
 
-    def _qkv(self, layer: Layer, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
+        """``x += delta`` (the residual stream, in place) and return rms_norm(x) * weight."""
+        if self.fused:
+            from engine.fused_ops import add_rms_norm
+
+            return add_rms_norm(x, delta, weight, self.args.rms_norm_eps)
+        if delta is not None:
+            x.add_(delta)
+        return rms_norm(x, weight, self.args.rms_norm_eps)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            from engine.fused_ops import rope
+
+            return rope(x, cos, sin)
+        return apply_rope(x, cos, sin)
+
+    def _qkv(self, layer: Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         s = self.args.shape
-        h = rms_norm(x, layer.input_norm, self.args.rms_norm_eps)
         q = layer.q(h).view(-1, s.heads, s.head_dim)
         k = layer.k(h).view(-1, s.kv_heads, s.head_dim)
         v = layer.v(h).view(-1, s.kv_heads, s.head_dim)
         if layer.q_norm is not None and layer.k_norm is not None:
-            q = rms_norm(q, layer.q_norm, self.args.rms_norm_eps)
-            k = rms_norm(k, layer.k_norm, self.args.rms_norm_eps)
-        cos, sin = self.cos[positions], self.sin[positions]
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+            q = self._norm(q.reshape(-1, s.head_dim), None, layer.q_norm).view_as(q)
+            k = self._norm(k.reshape(-1, s.head_dim), None, layer.k_norm).view_as(k)
+        return self._rope(q, cos, sin), self._rope(k, cos, sin), v
 
-    def _mlp(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
-        h = rms_norm(x, layer.post_norm, self.args.rms_norm_eps)
+    def _mlp(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
         return layer.down(F.silu(layer.gate(h)) * layer.up(h))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(rms_norm(hidden, self.norm, self.args.rms_norm_eps)).float()
+        return self.lm_head(self._norm(hidden, None, self.norm)).float()
+
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Any) -> torch.Tensor:
+        """Embed, run every layer with ``attend(layer_index, q, k, v) -> [T, heads * head_dim]``, return hidden."""
+        cos, sin = self.cos[positions], self.sin[positions]  # once per step, shared by all layers
+        x = F.embedding(tokens, self.embed)
+        delta = None
+        for i, layer in enumerate(self.layers):
+            h = self._norm(x, delta, layer.input_norm)
+            q, k, v = self._qkv(layer, h, cos, sin)
+            h = self._norm(x, layer.o(attend(i, q, k, v)), layer.post_norm)
+            delta = self._mlp(layer, h)
+        return x.add_(delta) if delta is not None else x
 
     def prefill(self, tokens: torch.Tensor, slot: int, kv: KVCache) -> torch.Tensor:
         """Run a whole prompt [T] from position 0 into ``slot``; returns hidden states [T, hidden]."""
         s = self.args.shape
         n = tokens.shape[0]
-        positions = torch.arange(n, device=self.device)
-        x = F.embedding(tokens, self.embed)
-        for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, x, positions)
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kv.write_prompt(i, slot, k, v)
             # [1, heads, T, d] against [1, kv_heads, T, d]: causal, grouped-query.
             attn = F.scaled_dot_product_attention(
                 q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
                 is_causal=True, scale=self.scale, enable_gqa=s.heads != s.kv_heads,
             )  # fmt: skip
-            x = x + layer.o(attn.squeeze(0).transpose(0, 1).reshape(n, s.heads * s.head_dim))
-            x = x + self._mlp(layer, x)
-        return x
+            return attn.squeeze(0).transpose(0, 1).reshape(n, s.heads * s.head_dim)
+
+        return self._forward(tokens, torch.arange(n, device=self.device), attend)
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, kv: KVCache, span: int) -> torch.Tensor:
         """One token for each of the first B slots (token b belongs to slot b, at positions[b]).
@@ -196,16 +221,15 @@ class Transformer:
         """
         s = self.args.shape
         b = tokens.shape[0]
-        x = F.embedding(tokens, self.embed)
         # Key j of slot b is visible when j <= positions[b]: [B, 1, 1, span]
         mask = (torch.arange(span, device=self.device)[None, :] <= positions[:, None]).view(b, 1, 1, span)
-        for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, x, positions)
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kv.write_tokens(i, k, v, positions)
             keys, values = kv.view(i, b, span)
             attn = F.scaled_dot_product_attention(
                 q.unsqueeze(2), keys, values, attn_mask=mask, scale=self.scale, enable_gqa=s.heads != s.kv_heads
             )
-            x = x + layer.o(attn.reshape(b, s.heads * s.head_dim))
-            x = x + self._mlp(layer, x)
-        return x
+            return attn.reshape(b, s.heads * s.head_dim)
+
+        return self._forward(tokens, positions, attend)

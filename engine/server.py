@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Literal, TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -423,7 +423,9 @@ def create_app(engine: LLMEngine, tokenizer: ChatTokenizer) -> FastAPI:
     @app.get("/health")
     async def health() -> JSONResponse:
         # A dead scheduler thread would hang every request: report it so the supervisor replaces us.
-        status = "draining" if api.admission.draining else "ok" if engine.alive else "dead"
+        status: Literal["ok", "draining", "dead"] = (
+            "draining" if api.admission.draining else "ok" if engine.alive else "dead"
+        )
         body = HealthResponse(
             status=status,
             running=engine.num_running,

@@ -10,19 +10,20 @@ the same processed tensors: weight [Np, Kp] (padded to 128), weight_scale [>=Np/
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 BLOCK_K = 128
-FP8_MAX = 448.0
+FP8_MAX = tl.constexpr(448.0)
 
 
 @triton.jit
 def _fp8_block_gemm(
-    x_ptr, w_ptr, s_ptr, out_ptr, M, stride_xm, stride_wn, stride_sn, stride_om,
+    x_ptr, w_ptr, s_ptr, out_ptr, M, stride_xm, stride_wn, stride_sn, stride_om, stride_split,
     K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ATOMIC: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -42,33 +43,51 @@ def _fp8_block_gemm(
         w_scale = tl.load(s_ptr + (offs_n // 128) * stride_sn + k0 // 128)
         part = tl.dot(xq, tl.trans(w))
         acc += part * x_scale[:, None] * w_scale[None, :]
-    out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    if ATOMIC:
-        tl.atomic_add(out, acc, mask=m_mask)
-    else:
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask)
+    # Split-K programs write fp32 partials to their own plane; _sum_splits adds them up.
+    out = out_ptr + pid_k * stride_split + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask)
 
 
-def fp8_block_gemm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, block_n: int = 64,
+@triton.jit
+def _sum_splits(part_ptr, out_ptr, numel, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for i in range(SPLITS):
+        acc += tl.load(part_ptr + i * numel + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def fp8_block_gemm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, block_n: int | None = None,
                    split_k: int | None = None) -> torch.Tensor:  # fmt: skip
     """x [M, Kp] bf16, w [Np, Kp] fp8, s [>=Np/128, >=Kp/128] fp32 -> [M, Np] in x's dtype."""
     m, kp = x.shape
     np_ = w.shape[0]
     block_m = min(64, max(16, triton.next_power_of_2(m)))
+    if block_n is None:
+        block_n = 128 if m <= 16 else 64  # measured best on the H200 (docs/benchmarks.md)
     m_tiles = triton.cdiv(m, block_m)
     n_programs = np_ // block_n
     k_blocks = kp // BLOCK_K
     if split_k is None:
-        # Enough programs to keep every SM streaming: about four waves over the SMs.
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        split_k = max(1, min(k_blocks, (4 * sms) // max(1, n_programs * m_tiles)))
+        # Enough programs to keep every SM streaming: about two waves (the best split in the H200 sweep).
+        split_k = max(1, min(k_blocks, (2 * _sm_count(x.device.index)) // max(1, n_programs * m_tiles)))
         while k_blocks % split_k:
             split_k -= 1
-    atomic = split_k > 1
-    out = torch.zeros(m, np_, dtype=torch.float32, device=x.device) if atomic else x.new_empty(m, np_)
+    partial = x.new_empty(split_k, m, np_, dtype=torch.float32) if split_k > 1 else x.new_empty(1, m, np_)
     _fp8_block_gemm[(n_programs, split_k, m_tiles)](
-        x, w, s, out, m, x.stride(0), w.stride(0), s.stride(0), out.stride(0),
-        K_PER_SPLIT=kp // split_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, ATOMIC=atomic,
-        num_warps=4, num_stages=4,
+        x, w, s, partial, m, x.stride(0), w.stride(0), s.stride(0), partial.stride(1), partial.stride(0),
+        K_PER_SPLIT=kp // split_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=4, num_stages=4,
     )  # fmt: skip
-    return out.to(x.dtype) if atomic else out
+    if split_k == 1:
+        return partial[0]
+    out = x.new_empty(m, np_)
+    numel = m * np_
+    _sum_splits[(triton.cdiv(numel, 1024),)](partial, out, numel, SPLITS=split_k, BLOCK=1024)
+    return out
+
+
+@functools.cache
+def _sm_count(device_index: int | None) -> int:
+    index = device_index if device_index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_properties(index).multi_processor_count

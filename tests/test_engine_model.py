@@ -113,6 +113,7 @@ def _generate_each(engine: LLMEngine, ids: list[list[int]], params: list[Samplin
 
     outputs: list[list[int]] = [[] for _ in ids]
     for i, (prompt, p) in enumerate(zip(ids, params, strict=True)):
+
         def emit(event, out=outputs[i]):
             if event.token_id is not None:
                 out.append(event.token_id)

@@ -1,0 +1,69 @@
+"""CUDA-only checks (run on the GPU machine): FP8 block kernels, fused ops, CUDA-graph decode."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from cache.checkpoint.fp8 import dequantize_weight, quantize_weight
+from cache.checkpoint.schemes import Activations, LinearScheme, WeightKind
+from cache.checkpoint.synth import synth_checkpoint
+from cache.processing import FP8_BLOCK_SCALED_MM, process_linear, select_kernel
+
+pytestmark = pytest.mark.gpu
+BLOCK = LinearScheme(WeightKind.FP8_BLOCK, Activations.DYNAMIC_GROUP)
+
+
+@pytest.mark.parametrize("m", [1, 7, 64, 300])
+@pytest.mark.parametrize(("n", "k"), [(576, 1536), (192, 576), (1024, 2048)])
+def test_block_fp8_kernel_matches_dequantized_reference(m: int, n: int, k: int) -> None:
+    from engine.kernels import fp8_block_scaled_mm, quantize_per_token_group
+
+    dev = torch.device("cuda")
+    assert select_kernel(BLOCK, dev) == FP8_BLOCK_SCALED_MM
+    gen = torch.Generator(device=dev).manual_seed(m + n + k)
+    w = (torch.randn(n, k, device=dev, generator=gen) * 0.02).to(torch.bfloat16)
+    q, s = quantize_weight(w, WeightKind.FP8_BLOCK)
+    tensors, recipe = process_linear(BLOCK, FP8_BLOCK_SCALED_MM, {"weight": q, "weight_scale": s}, torch.bfloat16, dev)
+    x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
+    xq, xs = quantize_per_token_group(torch.nn.functional.pad(x, (0, recipe.padded_in - k)))
+    x_deq = (xq.float().view(m, -1, 128) * xs.unsqueeze(-1)).view(m, -1)[:, :k]
+    ref = x_deq @ dequantize_weight(q, s, WeightKind.FP8_BLOCK, torch.float32).t()
+    got = fp8_block_scaled_mm(x, tensors, recipe).float()
+    assert got.shape == (m, n)
+    assert float((got - ref).norm() / ref.norm()) < 1e-2
+
+
+def test_fused_norm_and_rope_match_torch() -> None:
+    from engine.fused_ops import add_rms_norm, rope
+    from engine.model import apply_rope, rms_norm
+
+    dev = torch.device("cuda")
+    x = torch.randn(5, 576, device=dev, dtype=torch.bfloat16)
+    r = torch.randn(5, 576, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(576, device=dev, dtype=torch.bfloat16)
+    expected_x = x + r
+    expected = rms_norm(expected_x, w, 1e-5)
+    got = add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(x, expected_x)
+    assert float((got.float() - expected.float()).abs().max()) <= 2e-2 * float(expected.float().abs().max())
+    q = torch.randn(5, 9, 64, device=dev, dtype=torch.bfloat16)
+    angles = torch.rand(5, 32, device=dev) * 6
+    torch.testing.assert_close(rope(q, angles.cos(), angles.sin()), apply_rope(q, angles.cos(), angles.sin()))
+
+
+def test_cuda_graph_decode_equals_eager(tmp_path: Path) -> None:
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+
+    path = synth_checkpoint(tmp_path / "q", "qwen3-0.6b", "fp8-block", num_layers=2, device="cuda", progress=False)
+    prompts = [[5, 6, 7] * 9, [11, 12] * 4, [3] * 40]
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    graphed = LLMEngine(EngineConfig(model=path, device="cuda", max_num_seqs=4, max_model_len=256))
+    assert graphed.graphs is not None
+    a = graphed.generate(prompts, params)
+    eager = LLMEngine(EngineConfig(model=path, device="cuda", max_num_seqs=4, max_model_len=256, cuda_graphs=False))
+    assert a == eager.generate(prompts, params)
