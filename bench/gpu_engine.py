@@ -179,7 +179,11 @@ def engine_bench(ckpt: Path, batches: list[int], new_tokens: int) -> None:
     from engine.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
-    engine = LLMEngine(EngineConfig(model=ckpt, device="cuda", max_num_seqs=max(batches), max_model_len=2048))
+    engine = LLMEngine(
+        EngineConfig(
+            model=ckpt, device="cuda", max_num_seqs=max(batches), max_model_len=2048, max_num_batched_tokens=8192
+        )
+    )
     RESULTS["engine_startup"] = {**engine.startup_phases, "total": time.perf_counter() - t0}
     weight_bytes = sum(t.numel() * t.element_size() for name, t in engine_tensors(engine).items() if name != "embed")
     floor_s = weight_bytes / HBM_BYTES_PER_S
@@ -190,21 +194,10 @@ def engine_bench(ckpt: Path, batches: list[int], new_tokens: int) -> None:
     decode = []
     for b in batches:
         prompts = [torch.randint(100, 30000, (128,), generator=gen).tolist() for _ in range(b)]
-        one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
         many = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
         engine.generate(prompts, many)  # capture this batch's graphs
-        steps = []
-        for _ in range(3):  # best of three: the first runs after a pause meet a GPU still ramping its clocks
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            engine.generate(prompts, one)
-            torch.cuda.synchronize()
-            t_prefill = time.perf_counter() - t
-            t = time.perf_counter()
-            engine.generate(prompts, many)
-            torch.cuda.synchronize()
-            steps.append((time.perf_counter() - t - t_prefill) / (new_tokens - 1))
-        step = min(steps)
+        steps = [decode_step_seconds(engine, prompts, many) for _ in range(3)]
+        step = min(steps)  # the first run after a pause meets a GPU still ramping its clocks
         row = {"batch": b, "decode_step_ms": step * 1e3, "decode_tokens_per_s": b / step,
                "x_hbm_floor": step / floor_s, "runs_ms": [round(x * 1e3, 3) for x in steps]}  # fmt: skip
         decode.append(row)
@@ -222,6 +215,27 @@ def engine_bench(ckpt: Path, batches: list[int], new_tokens: int) -> None:
     print(RESULTS["engine_prefill"], flush=True)
     del engine
     torch.cuda.empty_cache()
+
+
+def decode_step_seconds(engine, prompts: list[list[int]], params) -> float:
+    """Mean wall time of the engine's scheduler steps once every sequence is decoding (sampling included)."""
+    from engine.scheduler import Sequence
+
+    for i, prompt in enumerate(prompts):
+        engine.scheduler.add(Sequence(f"b{i}", prompt, params, lambda event: None))
+    engine._step()  # prefill every prompt (and the first decode step)
+    assert not engine.scheduler.waiting, "the batch must fit in one prefill step"
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    n = 0
+    while len(engine.scheduler.running) == len(prompts):
+        engine._step()
+        n += 1
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - t) / n
+    while not engine.scheduler.idle:
+        engine._step()
+    return seconds
 
 
 def engine_tensors(engine) -> dict[str, torch.Tensor]:
