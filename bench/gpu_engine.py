@@ -95,7 +95,7 @@ def kernel_checks() -> None:
 
 
 def triton_sweep() -> None:
-    """Kernel-only times (CUDA-graph replay) of the Triton kernel's tile/split choices at decode sizes."""
+    """Kernel-only times (CUDA-graph replay) of the Triton kernel's launch choices at decode sizes."""
     from triton.testing import do_bench_cudagraph
 
     from engine.triton_fp8 import fp8_block_gemm
@@ -105,25 +105,40 @@ def triton_sweep() -> None:
     for n, k in [(4096, 4096), (14336, 4096), (4096, 14336)]:
         w = torch.randint(-100, 100, (n, k), dtype=torch.int8, device=dev).view(torch.float8_e4m3fn)
         s = torch.rand(n // 128, k // 128, device=dev) + 0.5
-        for m in (1, 16, 64):
+        for m in (1, 16):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            for block_n in (32, 64, 128):
-                for split in (None, 1, 2, 4, 8, 16):
-                    try:
-                        ms = do_bench_cudagraph(lambda: fp8_block_gemm(x, w, s, block_n=block_n, split_k=split))
-                        rows.append({"M": m, "N": n, "K": k, "block_n": block_n, "split_k": split or "auto",
-                                     "us": ms * 1e3, "GBps": n * k / (ms / 1e3) / 1e9})  # fmt: skip
-                    except Exception as exc:
-                        rows.append(
-                            {"M": m, "N": n, "K": k, "block_n": block_n, "split_k": split, "error": str(exc)[:200]}
-                        )
-        best = {}
-        for r in rows:
-            key = (r["M"], r["N"], r["K"])
-            if "us" in r and (key not in best or r["us"] < best[key]["us"]):
-                best[key] = r
+            for block_n in (64, 128):
+                for split in (None, 2, 4, 8):
+                    for warps, stages in ((4, 4), (4, 6), (8, 4), (2, 4)):
+                        for reduce_block in (256, 1024) if split is None else (256,):
+                            kw = dict(block_n=block_n, split_k=split, num_warps=warps, num_stages=stages,
+                                      reduce_block=reduce_block)  # fmt: skip
+                            try:
+                                ms = do_bench_cudagraph(lambda kw=kw: fp8_block_gemm(x, w, s, **kw))
+                                rows.append({"M": m, "N": n, "K": k, **kw, "split_k": split or "auto",
+                                             "us": ms * 1e3, "GBps": n * k / (ms / 1e3) / 1e9})  # fmt: skip
+                            except Exception as exc:
+                                rows.append({"M": m, "N": n, "K": k, **kw, "error": str(exc)[:200]})
+    best = {}
+    for r in rows:
+        key = (r["M"], r["N"], r["K"])
+        if "us" in r and (key not in best or r["us"] < best[key]["us"]):
+            best[key] = r
+        if (
+            r.get("split_k") == "auto"
+            and r.get("num_warps") == 4
+            and r.get("num_stages") == 4
+            and r.get("reduce_block") == 256
+            and r.get("block_n") == (128 if r["M"] <= 16 else 64)
+        ):
+            print("current", key, round(r.get("us", -1), 1), flush=True)
+    for key, r in best.items():
         print(
-            {str(k): (v["block_n"], v["split_k"], round(v["us"], 1), round(v["GBps"])) for k, v in best.items()},
+            "best",
+            key,
+            {k: r[k] for k in ("block_n", "split_k", "num_warps", "num_stages", "reduce_block")},
+            round(r["us"], 1),
+            round(r["GBps"]),
             flush=True,
         )
     RESULTS["triton_sweep"] = rows

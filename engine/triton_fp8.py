@@ -59,7 +59,8 @@ def _sum_splits(part_ptr, out_ptr, numel, SPLITS: tl.constexpr, BLOCK: tl.conste
 
 
 def fp8_block_gemm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, block_n: int | None = None,
-                   split_k: int | None = None) -> torch.Tensor:  # fmt: skip
+                   split_k: int | None = None, num_warps: int = 4, num_stages: int = 4,
+                   reduce_block: int = 256) -> torch.Tensor:  # fmt: skip
     """x [M, Kp] bf16, w [Np, Kp] fp8, s [>=Np/128, >=Kp/128] fp32 -> [M, Np] in x's dtype."""
     m, kp = x.shape
     np_ = w.shape[0]
@@ -77,13 +78,14 @@ def fp8_block_gemm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, block_n: i
     partial = x.new_empty(split_k, m, np_, dtype=torch.float32) if split_k > 1 else x.new_empty(1, m, np_)
     _fp8_block_gemm[(n_programs, split_k, m_tiles)](
         x, w, s, partial, m, x.stride(0), w.stride(0), s.stride(0), partial.stride(1), partial.stride(0),
-        K_PER_SPLIT=kp // split_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=4, num_stages=4,
+        K_PER_SPLIT=kp // split_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=num_warps,
+        num_stages=num_stages,
     )  # fmt: skip
     if split_k == 1:
         return partial[0]
     out = x.new_empty(m, np_)
     numel = m * np_
-    _sum_splits[(triton.cdiv(numel, 1024),)](partial, out, numel, SPLITS=split_k, BLOCK=1024)
+    _sum_splits[(triton.cdiv(numel, reduce_block),)](partial, out, numel, SPLITS=split_k, BLOCK=reduce_block)
     return out
 
 
