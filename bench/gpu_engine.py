@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.engine_timing import decode_step_seconds
 from cache.checkpoint.fp8 import dequantize_weight, quantize_weight
 from cache.checkpoint.schemes import Activations, LinearScheme, WeightKind
 from cache.processing import FP8_BLOCK_SCALED_MM, process_linear
@@ -230,27 +231,6 @@ def engine_bench(ckpt: Path, batches: list[int], new_tokens: int) -> None:
     print(RESULTS["engine_prefill"], flush=True)
     del engine
     torch.cuda.empty_cache()
-
-
-def decode_step_seconds(engine, prompts: list[list[int]], params) -> float:
-    """Mean wall time of the engine's scheduler steps once every sequence is decoding (sampling included)."""
-    from engine.scheduler import Sequence
-
-    for i, prompt in enumerate(prompts):
-        engine.scheduler.add(Sequence(f"b{i}", prompt, params, lambda event: None))
-    engine._step()  # prefill every prompt (and the first decode step)
-    assert not engine.scheduler.waiting, "the batch must fit in one prefill step"
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    n = 0
-    while len(engine.scheduler.running) == len(prompts):
-        engine._step()
-        n += 1
-    torch.cuda.synchronize()
-    seconds = (time.perf_counter() - t) / n
-    while not engine.scheduler.idle:
-        engine._step()
-    return seconds
 
 
 def engine_tensors(engine) -> dict[str, torch.Tensor]:

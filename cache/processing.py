@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from cache.checkpoint.fp8 import dequantize_weight
 from cache.checkpoint.reader import Checkpoint
 from cache.checkpoint.schemes import FP8_BLOCK, Activations, LinearScheme, WeightKind
 
@@ -19,7 +20,9 @@ LAYOUT_VERSION = 1
 
 # Kernel names: the contract between processing and the engine's implementations.
 DENSE = "dense"  # weight [N, K] in the compute dtype
-FP8_DEQUANT = "fp8-dequant"  # fp8 weight + scale kept as stored; dequantized in the forward (CPU, pre-Hopper)
+# CPU and GPUs without FP8 units: dequantized once, here, to the compute dtype, then a dense matmul.
+# Converting FP8 on every forward costs ~3 ns an element on CPU (2.4 tok/s for the demo, against 16.5).
+FP8_DEQUANT = "fp8-dequantized"
 FP8_BLOCK_SCALED_MM = "fp8-block-scaled-mm"  # CUDA cc >= 9.0: scaled_mm BlockWise1x128 x BlockWise128x128
 FP8_ROWWISE_SCALED_MM = "fp8-rowwise-scaled-mm"  # CUDA cc >= 8.9: per-token x per-channel scales
 KERNELS = (DENSE, FP8_DEQUANT, FP8_BLOCK_SCALED_MM, FP8_ROWWISE_SCALED_MM)
@@ -106,12 +109,10 @@ def process_linear(
     pad_n, pad_k = 0, 0
     if kernel == DENSE:
         out["weight"] = w.to(device=device, dtype=dtype)
-    elif kernel == FP8_DEQUANT and scheme.weight is not WeightKind.FP8_BLOCK:
-        out["weight"] = w.to(device)
-        out["weight_scale"] = parts["weight_scale"].to(device=device, dtype=torch.float32)
-    elif kernel in (FP8_DEQUANT, FP8_BLOCK_SCALED_MM):
-        # Block kernels tile N and K by 128: pad with zeros (the scale is already ceil(N/128) x ceil(K/128)),
-        # so dequantization is a broadcast over a [N/128, 128, K/128, 128] view.
+    elif kernel == FP8_DEQUANT:
+        out["weight"] = dequantize_weight(w.to(device), parts["weight_scale"].to(device), scheme.weight, dtype)
+    elif kernel == FP8_BLOCK_SCALED_MM:
+        # The block kernels tile N and K by 128: pad with zeros (the scale is already ceil(N/128) x ceil(K/128)).
         pad_n, pad_k = -n % FP8_BLOCK, -k % FP8_BLOCK
         out["weight"] = _pad(w.to(device), pad_n, pad_k)
         out["weight_scale"] = parts["weight_scale"].to(device=device, dtype=torch.float32).contiguous()
@@ -122,7 +123,7 @@ def process_linear(
         out["weight_scale"] = _pad_vec(scale.expand(n).contiguous(), pad_n).reshape(1, n + pad_n)
     else:
         raise ValueError(f"unknown kernel {kernel!r}")
-    if "input_scale" in parts and kernel != DENSE:
+    if "input_scale" in parts and kernel not in (DENSE, FP8_DEQUANT):
         out["input_scale"] = parts["input_scale"].to(device=device, dtype=torch.float32).reshape(())
     if "bias" in parts:
         out["bias"] = parts["bias"].to(device=device, dtype=dtype)

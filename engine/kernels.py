@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from cache.checkpoint.schemes import FP8_BLOCK, FP8_MAX, WeightKind
+from cache.checkpoint.schemes import FP8_BLOCK, FP8_MAX
 from cache.processing import DENSE, FP8_BLOCK_SCALED_MM, FP8_DEQUANT, FP8_ROWWISE_SCALED_MM, LinearRecipe
 
 FP8 = torch.float8_e4m3fn
@@ -25,21 +25,6 @@ class UnknownKernel(RuntimeError):
 
 def dense(x: torch.Tensor, t: Tensors, r: LinearRecipe) -> torch.Tensor:
     return F.linear(x, t["weight"], t.get("bias"))
-
-
-def fp8_dequant(x: torch.Tensor, t: Tensors, r: LinearRecipe) -> torch.Tensor:
-    """Weights stay FP8 in memory (shared, zero-copy); each call multiplies the scales back in."""
-    w, s = t["weight"], t["weight_scale"]
-    kind = WeightKind(r.weight)
-    if kind is WeightKind.FP8_BLOCK:
-        nb, kb = s.shape
-        wd = (w.view(nb, FP8_BLOCK, kb, FP8_BLOCK).to(x.dtype) * s.to(x.dtype).view(nb, 1, kb, 1)).view(w.shape)
-        wd = wd[: r.out_features, : r.in_features]
-    elif kind is WeightKind.FP8_CHANNEL:
-        wd = w.to(x.dtype) * s.to(x.dtype).view(-1, 1)
-    else:
-        wd = w.to(x.dtype) * s.to(x.dtype).reshape(())
-    return F.linear(x, wd, t.get("bias"))
 
 
 def quantize_per_token_group(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,7 +88,7 @@ def fp8_rowwise_scaled_mm(x: torch.Tensor, t: Tensors, r: LinearRecipe) -> torch
 
 KERNELS: dict[str, Kernel] = {
     DENSE: dense,
-    FP8_DEQUANT: fp8_dequant,
+    FP8_DEQUANT: dense,  # processing already multiplied the scales in
     FP8_BLOCK_SCALED_MM: fp8_block_scaled_mm,
     FP8_ROWWISE_SCALED_MM: fp8_rowwise_scaled_mm,
 }
