@@ -42,9 +42,24 @@ class LinearRecipe:
     padded_out: int  # stored N, K (after padding)
     padded_in: int
     has_bias: bool = False
+    # A merged layer (q/k/v, gate/up): (module, first output column, columns) of each part.
+    parts: tuple[tuple[str, int, int], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def part(self, name: str) -> slice:
+        for module, offset, size in self.parts:
+            if module == name:
+                return slice(offset, offset + size)
+        raise KeyError(f"{name} is not part of this merged layer")
+
+
+# Projections that read the same input run as one GEMM: fewer launches, one weight stream.
+MERGES = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
 
 
 @dataclass
@@ -96,7 +111,38 @@ def process_checkpoint(ckpt: Checkpoint, device: torch.device, dtype: torch.dtyp
         out, recipe = process_linear(scheme, select_kernel(scheme, device), parts, dtype, device)
         recipes[module] = recipe
         tensors.update({f"{module}.{k}": v for k, v in out.items()})
+    for i in range(ckpt.layout.shape.layers):
+        for merged, members in MERGES.items():
+            merge_linears(tensors, recipes, f"model.layers.{i}.{merged}", [f"model.layers.{i}.{m}" for m in members])
     return ProcessedWeights(tensors, recipes, dtype, device)
+
+
+def merge_linears(tensors: dict[str, torch.Tensor], recipes: dict[str, LinearRecipe], merged: str,
+                  members: list[str]) -> None:  # fmt: skip
+    """Stack processed layers that share their input along N, when they share kernel and scheme."""
+    first = recipes[members[0]]
+    same = {(r.kernel, r.weight, r.activations, r.padded_in, r.has_bias) for r in (recipes[m] for m in members)}
+    if len(same) != 1 or any(f"{m}.input_scale" in tensors for m in members):
+        return  # mixed schemes stay separate layers
+    parts, offset = [], 0
+    for m in members:
+        parts.append((m, offset, recipes[m].out_features))
+        offset += recipes[m].padded_out
+    # Rowwise scales are [1, N]; everything else stacks along dim 0 (block scales: rows of 128 outputs).
+    for leaf in ("weight", "weight_scale", "bias"):
+        pieces = [tensors.pop(f"{m}.{leaf}") for m in members if f"{m}.{leaf}" in tensors]
+        if not pieces:
+            continue
+        if leaf == "bias":
+            pieces = [
+                _pad_vec_zeros(b, recipes[m].padded_out - b.shape[0]) for b, m in zip(pieces, members, strict=True)
+            ]
+        dim = 1 if leaf == "weight_scale" and first.kernel == FP8_ROWWISE_SCALED_MM else 0
+        tensors[f"{merged}.{leaf}"] = torch.cat(pieces, dim=dim)
+    for m in members:
+        del recipes[m]
+    recipes[merged] = LinearRecipe(first.kernel, first.weight, first.activations, offset, first.in_features, offset,
+                                   first.padded_in, first.has_bias, tuple(parts))  # fmt: skip
 
 
 def process_linear(
@@ -138,6 +184,10 @@ def _pad(w: torch.Tensor, pad_n: int, pad_k: int) -> torch.Tensor:
     out = torch.zeros(w.shape[0] + pad_n, w.shape[1] + pad_k, dtype=w.dtype, device=w.device)
     out[: w.shape[0], : w.shape[1]] = w
     return out
+
+
+def _pad_vec_zeros(v: torch.Tensor, pad: int) -> torch.Tensor:
+    return torch.cat([v, v.new_zeros(pad)]) if pad else v
 
 
 def _pad_vec(v: torch.Tensor, pad: int) -> torch.Tensor:

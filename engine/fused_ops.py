@@ -41,24 +41,73 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 
 @triton.jit
-def _rope(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, HALF: tl.constexpr, BLOCK: tl.constexpr):
+def _rope(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, stride_t, stride_h, HALF: tl.constexpr, BLOCK: tl.constexpr):
     token = tl.program_id(0)
     head = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
     mask = offs < HALF
-    base = (token * heads + head) * 2 * HALF
-    x1 = tl.load(x_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + base + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    src = token * stride_t + head * stride_h
+    dst = (token * heads + head) * 2 * HALF
+    x1 = tl.load(x_ptr + src + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + src + HALF + offs, mask=mask, other=0.0).to(tl.float32)
     c = tl.load(cos_ptr + token * HALF + offs, mask=mask, other=0.0)
     s = tl.load(sin_ptr + token * HALF + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + base + offs, (x1 * c - x2 * s).to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(out_ptr + base + HALF + offs, (x2 * c + x1 * s).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + dst + offs, (x1 * c - x2 * s).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + dst + HALF + offs, (x2 * c + x1 * s).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim] (contiguous), cos/sin [T, head_dim/2] fp32 -> rotated copy (rotate-half layout)."""
+    """x [T, heads, head_dim] (head_dim contiguous; rows may be a slice of a merged projection),
+    cos/sin [T, head_dim/2] fp32 -> rotated contiguous copy (rotate-half layout)."""
     tokens, heads, dim = x.shape
-    out = torch.empty_like(x)
+    out = torch.empty(tokens, heads, dim, dtype=x.dtype, device=x.device)
     half = dim // 2
-    _rope[(tokens, heads)](x, cos, sin, out, heads, HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1)
+    _rope[(tokens, heads)](
+        x, cos, sin, out, heads, x.stride(0), x.stride(1), HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1
+    )
     return out
+
+
+@triton.jit
+def _silu_mul(g_ptr, u_ptr, out_ptr, n_cols, stride_g, stride_u, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    y = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32) * u  # silu rounds like torch's
+    tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for [T, I] views (rows may be slices of one merged gate/up output)."""
+    rows, cols = gate.shape
+    out = torch.empty(rows, cols, dtype=gate.dtype, device=gate.device)
+    block = 1024
+    _silu_mul[(rows, triton.cdiv(cols, block))](gate, up, out, cols, gate.stride(0), up.stride(0), BLOCK=block)
+    return out
+
+
+@triton.jit
+def _kv_write(k_ptr, v_ptr, kc_ptr, vc_ptr, pos_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+              stride_slot, stride_head, stride_pos, DIM: tl.constexpr):  # fmt: skip
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs = tl.arange(0, DIM)
+    pos = tl.load(pos_ptr + b)
+    dst = b * stride_slot + h * stride_head + pos * stride_pos + offs
+    tl.store(kc_ptr + dst, tl.load(k_ptr + b * stride_kt + h * stride_kh + offs))
+    tl.store(vc_ptr + dst, tl.load(v_ptr + b * stride_vt + h * stride_vh + offs))
+
+
+def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             positions: torch.Tensor) -> None:  # fmt: skip
+    """Row b of k, v [B, kv_heads, head_dim] into slot b at positions[b] of one layer's cache.
+
+    The cache layer is [slots, kv_heads, max_len, head_dim]; head_dim must be a power of two.
+    """
+    b, heads, dim = k.shape
+    _kv_write[(b, heads)](
+        k, v, k_cache, v_cache, positions, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), DIM=dim, num_warps=1,
+    )  # fmt: skip

@@ -62,6 +62,11 @@ class KVCache:
 
     def write_tokens(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """k, v [B, kv_heads, head_dim]: row b goes to slot b at positions[b]."""
+        if k.is_cuda and k.shape[-1] & (k.shape[-1] - 1) == 0:  # the fused kernel wants a power-of-two head_dim
+            from engine.fused_ops import kv_write
+
+            kv_write(self.k[layer], self.v[layer], k, v, positions)
+            return
         slots = torch.arange(k.shape[0], device=k.device)
         self.k[layer, slots, :, positions] = k
         self.v[layer, slots, :, positions] = v

@@ -76,6 +76,27 @@ class Linear:
         return self.kernel(x, self.tensors, self.recipe)
 
 
+class Projections:
+    """Several projections of one input: one GEMM when processing merged them, else one each."""
+
+    def __init__(self, merged: Linear | None, separate: list[Linear], names: list[str]) -> None:
+        self.merged = merged
+        self.separate = separate
+        self.slices = [merged.recipe.part(n) for n in names] if merged else []
+
+    @classmethod
+    def build(cls, merged: str, names: list[str], make: Any, recipes: dict[str, LinearRecipe]) -> Projections:
+        if merged in recipes:
+            return cls(make(merged), [], names)
+        return cls(None, [make(n) for n in names], names)
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if self.merged is not None:
+            y = self.merged(x)
+            return [y[:, sl] for sl in self.slices]
+        return [linear(x) for linear in self.separate]
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -92,12 +113,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 @dataclass
 class Layer:
-    q: Linear
-    k: Linear
-    v: Linear
+    qkv: Projections
     o: Linear
-    gate: Linear
-    up: Linear
+    gate_up: Projections
     down: Linear
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -133,12 +151,9 @@ class Transformer:
             attn, mlp = f"{p}.self_attn", f"{p}.mlp"
             self.layers.append(
                 Layer(
-                    q=linear(f"{attn}.q_proj"),
-                    k=linear(f"{attn}.k_proj"),
-                    v=linear(f"{attn}.v_proj"),
+                    qkv=Projections.build(f"{attn}.qkv_proj", [f"{attn}.{n}_proj" for n in "qkv"], linear, r),
                     o=linear(f"{attn}.o_proj"),
-                    gate=linear(f"{mlp}.gate_proj"),
-                    up=linear(f"{mlp}.up_proj"),
+                    gate_up=Projections.build(f"{mlp}.gate_up_proj", [f"{mlp}.gate_proj", f"{mlp}.up_proj"], linear, r),
                     down=linear(f"{mlp}.down_proj"),
                     input_norm=t[f"{p}.input_layernorm.weight"],
                     post_norm=t[f"{p}.post_attention_layernorm.weight"],
@@ -172,16 +187,22 @@ class Transformer:
 
     def _qkv(self, layer: Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         s = self.args.shape
-        q = layer.q(h).view(-1, s.heads, s.head_dim)
-        k = layer.k(h).view(-1, s.kv_heads, s.head_dim)
-        v = layer.v(h).view(-1, s.kv_heads, s.head_dim)
+        q, k, v = layer.qkv(h)
+        q = q.view(-1, s.heads, s.head_dim)
+        k = k.view(-1, s.kv_heads, s.head_dim)
+        v = v.view(-1, s.kv_heads, s.head_dim)
         if layer.q_norm is not None and layer.k_norm is not None:
             q = self._norm(q.reshape(-1, s.head_dim), None, layer.q_norm).view_as(q)
             k = self._norm(k.reshape(-1, s.head_dim), None, layer.k_norm).view_as(k)
         return self._rope(q, cos, sin), self._rope(k, cos, sin), v
 
     def _mlp(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
-        return layer.down(F.silu(layer.gate(h)) * layer.up(h))
+        gate, up = layer.gate_up(h)
+        if self.fused:
+            from engine.fused_ops import silu_mul
+
+            return layer.down(silu_mul(gate, up))
+        return layer.down(F.silu(gate) * up)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self._norm(hidden, None, self.norm)).float()

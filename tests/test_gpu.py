@@ -67,3 +67,28 @@ def test_cuda_graph_decode_equals_eager(tmp_path: Path) -> None:
     a = graphed.generate(prompts, params)
     eager = LLMEngine(EngineConfig(model=path, device="cuda", max_num_seqs=4, max_model_len=256, cuda_graphs=False))
     assert a == eager.generate(prompts, params)
+
+
+def test_fused_silu_mul_strided_rope_and_kv_write() -> None:
+    from engine.fused_ops import kv_write, rope, silu_mul
+    from engine.model import apply_rope
+
+    dev = torch.device("cuda")
+    gate_up = torch.randn(3, 2 * 1536, device=dev, dtype=torch.bfloat16)
+    gate, up = gate_up[:, :1536], gate_up[:, 1536:]  # views into one merged projection, as the model passes
+    torch.testing.assert_close(silu_mul(gate, up), torch.nn.functional.silu(gate) * up)
+
+    qkv = torch.randn(4, 9 * 64 + 2 * 3 * 64, device=dev, dtype=torch.bfloat16)
+    q = qkv[:, : 9 * 64].view(4, 9, 64)
+    angles = torch.rand(4, 32, device=dev) * 6
+    torch.testing.assert_close(rope(q, angles.cos(), angles.sin()), apply_rope(q, angles.cos(), angles.sin()))
+
+    cache_k = torch.zeros(6, 3, 32, 64, device=dev, dtype=torch.bfloat16)
+    cache_v = torch.zeros_like(cache_k)
+    k = torch.randn(4, 3, 64, device=dev, dtype=torch.bfloat16)
+    v = qkv[:, 9 * 64 + 3 * 64 :].view(4, 3, 64)
+    positions = torch.tensor([0, 5, 31, 7], device=dev)
+    kv_write(cache_k, cache_v, k, v, positions)
+    for b in range(4):
+        assert torch.equal(cache_k[b, :, positions[b]], k[b]) and torch.equal(cache_v[b, :, positions[b]], v[b])
+    assert int((cache_k != 0).any(dim=-1).sum()) == 4 * 3, "nothing else written"
