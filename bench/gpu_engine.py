@@ -239,8 +239,11 @@ def engine_tensors(engine) -> dict[str, torch.Tensor]:
     if not model.args.shape.tied_embeddings:
         out.update({f"lm_head.{k}": v for k, v in model.lm_head.tensors.items()})
     for i, layer in enumerate(model.layers):
-        for name in ("q", "k", "v", "o", "gate", "up", "down"):
-            out.update({f"{i}.{name}.{k}": v for k, v in getattr(layer, name).tensors.items()})
+        linears = [layer.o, layer.down]
+        for proj in (layer.qkv, layer.gate_up):
+            linears += [proj.merged] if proj.merged is not None else proj.separate
+        for j, linear in enumerate(linears):
+            out.update({f"{i}.{j}.{k}": v for k, v in linear.tensors.items()})
     return out
 
 
