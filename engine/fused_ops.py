@@ -111,3 +111,50 @@ def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
         k, v, k_cache, v_cache, positions, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), DIM=dim, num_warps=1,
     )  # fmt: skip
+
+
+@triton.jit
+def _decode_attention(
+    q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, scale, group, stride_qb, stride_qh, stride_ks, stride_kh, stride_kl,
+    stride_ob, stride_oh, DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    d = tl.arange(0, DIM)
+    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + d).to(tl.float32)
+    base = b * stride_ks + (h // group) * stride_kh  # slot b, this head's kv head
+    length = tl.load(pos_ptr + b) + 1
+    m_i = tl.full([1], float("-inf"), tl.float32)
+    l_i = tl.zeros([1], tl.float32)
+    acc = tl.zeros([DIM], tl.float32)
+    for start in range(0, length, BLOCK_N):  # online softmax over the sequence's own length only
+        offs = start + tl.arange(0, BLOCK_N)
+        valid = offs < length
+        kb = tl.load(k_ptr + base + offs[:, None] * stride_kl + d[None, :], mask=valid[:, None], other=0.0)
+        s = tl.sum(kb.to(tl.float32) * q[None, :], axis=1) * scale
+        s = tl.where(valid, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        vb = tl.load(v_ptr + base + offs[:, None] * stride_kl + d[None, :], mask=valid[:, None], other=0.0)
+        acc = acc * alpha + tl.sum(p[:, None] * vb.to(tl.float32), axis=0)
+        m_i = m_new
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, (acc / l_i).to(out_ptr.dtype.element_ty))
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
+                     scale: float) -> torch.Tensor:  # fmt: skip
+    """One query per sequence: q [B, heads, d] against slot b's cache up to positions[b] -> [B, heads, d].
+
+    Reads only each sequence's own length (no padded span, no mask tensor); grouped-query heads share
+    their kv head. k_cache, v_cache: one layer, [slots, kv_heads, max_len, d] with d a power of two.
+    """
+    b, heads, dim = q.shape
+    out = torch.empty_like(q)
+    _decode_attention[(b, heads)](
+        q, k_cache, v_cache, positions, out, scale, heads // k_cache.shape[1], q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1),
+        DIM=dim, BLOCK_N=64, num_warps=2,
+    )  # fmt: skip
+    return out
