@@ -242,14 +242,6 @@ class Transformer:
         """
         s = self.args.shape
         b = tokens.shape[0]
-        if self.fused and s.head_dim & (s.head_dim - 1) == 0:
-            from engine.fused_ops import decode_attention
-
-            def fused_attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-                kv.write_tokens(i, k, v, positions)
-                return decode_attention(q, kv.k[i], kv.v[i], positions, self.scale).view(b, s.heads * s.head_dim)
-
-            return self._forward(tokens, positions, fused_attend)
         # Key j of slot b is visible when j <= positions[b]: [B, 1, 1, span]
         mask = (torch.arange(span, device=self.device)[None, :] <= positions[:, None]).view(b, 1, 1, span)
 
