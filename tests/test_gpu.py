@@ -92,3 +92,26 @@ def test_fused_silu_mul_strided_rope_and_kv_write() -> None:
     for b in range(4):
         assert torch.equal(cache_k[b, :, positions[b]], k[b]) and torch.equal(cache_v[b, :, positions[b]], v[b])
     assert int((cache_k != 0).any(dim=-1).sum()) == 4 * 3, "nothing else written"
+
+
+@pytest.mark.parametrize("kind", [WeightKind.FP8_CHANNEL, WeightKind.FP8_TENSOR])
+@pytest.mark.parametrize("m", [1, 16, 300])
+def test_rowwise_fp8_kernel_matches_dequantized_reference(kind: WeightKind, m: int) -> None:
+    from cache.processing import FP8_ROWWISE_SCALED_MM
+    from engine.kernels import fp8_rowwise_scaled_mm, quantize_per_token
+
+    dev = torch.device("cuda")
+    scheme = LinearScheme(kind, Activations.DYNAMIC_TOKEN)
+    assert select_kernel(scheme, dev) == FP8_ROWWISE_SCALED_MM
+    gen = torch.Generator(device=dev).manual_seed(m)
+    n, k = 1536, 576
+    w = (torch.randn(n, k, device=dev, generator=gen) * 0.02).to(torch.bfloat16)
+    q, s = quantize_weight(w, kind)
+    tensors, recipe = process_linear(scheme, FP8_ROWWISE_SCALED_MM, {"weight": q, "weight_scale": s},
+                                     torch.bfloat16, dev)  # fmt: skip
+    x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
+    xq, xs = quantize_per_token(x)
+    ref = (xq.float() * xs) @ dequantize_weight(q, s, kind, torch.float32).t()
+    got = fp8_rowwise_scaled_mm(x, tensors, recipe).float()
+    assert got.shape == (m, n)
+    assert float((got - ref).norm() / ref.norm()) < 1e-2
