@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
@@ -216,6 +216,16 @@ class _TrackedStreamingResponse(StreamingResponse):
             self._on_close()
 
 
+class ClientGone(Exception):
+    """The client closed the connection before its (non-streaming) answer was ready."""
+
+
+async def _disconnected(raw: Request) -> None:
+    """Return once the client has closed the connection (the request body is already read)."""
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
 def _sse(payload: BaseModel) -> str:
     return f"data: {payload.model_dump_json()}\n\n"
 
@@ -302,13 +312,23 @@ class EngineAPI:
         """The SSE response of an admitted request; it releases the request however the stream ends."""
         return _TrackedStreamingResponse(events, on_close=lambda: self.release(generation))
 
-    async def collect(self, generation: TextGeneration) -> tuple[str, FinishReason]:
-        """Text and finish reason of an admitted request, released when done."""
+    async def collect(self, generation: TextGeneration, raw: Request) -> tuple[str, FinishReason]:
+        """Text and finish reason of an admitted request, released when done.
+
+        A client that hangs up (a timeout, say) cancels the request: the engine stops generating for it.
+        """
+        work = asyncio.ensure_future(generation.collect())
+        gone = asyncio.ensure_future(_disconnected(raw))
         try:
-            return await generation.collect()
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                work.cancel()
+                raise ClientGone()
+            return work.result()
         except EngineFailure as exc:
             raise exc.api_error from exc
         finally:
+            gone.cancel()
             self.release(generation)
 
     def usage(self, generation: TextGeneration) -> Usage:
@@ -415,6 +435,10 @@ def create_app(engine: LLMEngine, tokenizer: ChatTokenizer) -> FastAPI:
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return error_response(ApiError(exc.status_code, str(exc.detail), kind))
 
+    @app.exception_handler(ClientGone)
+    async def _client_gone(_: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)  # nobody reads it; the request was cancelled in the engine
+
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         log.exception("event=request_failed error=%s", type(exc).__name__)
@@ -449,12 +473,12 @@ def create_app(engine: LLMEngine, tokenizer: ChatTokenizer) -> FastAPI:
         return ModelList(data=[card])
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(request: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
+    async def chat_completions(request: ChatCompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:
         api.check_model(request.model)
         generation = api.admit(request, api.chat_prompt(request), "messages", "chatcmpl")
         if request.stream:
             return api.stream(generation, api.chat_events(request, generation))
-        text, reason = await api.collect(generation)
+        text, reason = await api.collect(generation, raw)
         choice = ChatCompletionChoice(message=AssistantMessage(content=text), finish_reason=reason)
         body = ChatCompletionResponse(
             id=generation.request_id,
@@ -466,12 +490,12 @@ def create_app(engine: LLMEngine, tokenizer: ChatTokenizer) -> FastAPI:
         return JSONResponse(body.model_dump(mode="json"))
 
     @app.post("/v1/completions", response_model=None)
-    async def completions(request: CompletionRequest) -> JSONResponse | StreamingResponse:
+    async def completions(request: CompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:
         api.check_model(request.model)
         generation = api.admit(request, api.completion_prompt(request), "prompt", "cmpl")
         if request.stream:
             return api.stream(generation, api.completion_events(request, generation))
-        text, reason = await api.collect(generation)
+        text, reason = await api.collect(generation, raw)
         choice = CompletionChoice(text=text, finish_reason=reason)
         body = CompletionResponse(
             id=generation.request_id,

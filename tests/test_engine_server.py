@@ -263,6 +263,27 @@ def test_client_disconnect_cancels_the_request(worker: Worker) -> None:
     assert health["running"] == 0 and health["in_flight"] == 0, health
 
 
+def test_client_timeout_cancels_a_non_streaming_request(worker: Worker) -> None:
+    # 500 tokens take ~30 s on this CPU; the client gives up after 1 s and closes its connection.
+    body = {"prompt": "Once upon a time", "max_tokens": 500, "ignore_eos": True}
+
+    async def run() -> dict[str, Any]:
+        async with worker.client() as client:
+            with pytest.raises(httpx.ReadTimeout):
+                await client.post("/v1/completions", json=body, timeout=httpx.Timeout(30, read=1.0))
+        async with worker.client() as client:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                health = (await client.get("/health")).json()
+                if health["running"] == 0 and health["in_flight"] == 0:
+                    return health
+                await asyncio.sleep(0.05)
+            return health
+
+    health = asyncio.run(run())
+    assert health["running"] == 0 and health["in_flight"] == 0, health
+
+
 def test_openai_client(worker: Worker, model: Path) -> None:
     import openai
 
