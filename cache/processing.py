@@ -25,7 +25,6 @@ DENSE = "dense"  # weight [N, K] in the compute dtype
 FP8_DEQUANT = "fp8-dequantized"
 FP8_BLOCK_SCALED_MM = "fp8-block-scaled-mm"  # CUDA cc >= 9.0: scaled_mm BlockWise1x128 x BlockWise128x128
 FP8_ROWWISE_SCALED_MM = "fp8-rowwise-scaled-mm"  # CUDA cc >= 8.9: per-token x per-channel scales
-KERNELS = (DENSE, FP8_DEQUANT, FP8_BLOCK_SCALED_MM, FP8_ROWWISE_SCALED_MM)
 
 ROWWISE_K_MULTIPLE = 16  # scaled_mm needs K (and N) to be multiples of 16
 

@@ -242,6 +242,16 @@ def test_bad_requests_get_openai_errors(worker: Worker) -> None:
     assert_openai_error(responses[-1], 400, "JSON")
 
 
+async def _wait_until_idle(client: httpx.AsyncClient, seconds: float) -> dict[str, Any]:
+    """The worker's /health once nothing runs or is in flight, or the last one seen at the deadline."""
+    deadline = time.monotonic() + seconds
+    while True:
+        health: dict[str, Any] = (await client.get("/health")).json()
+        if (health["running"] == 0 and health["in_flight"] == 0) or time.monotonic() >= deadline:
+            return health
+        await asyncio.sleep(0.05)
+
+
 def test_client_disconnect_cancels_the_request(worker: Worker) -> None:
     body = {"prompt": "Once upon a time", "max_tokens": 500, "ignore_eos": True, "stream": True}
 
@@ -251,13 +261,7 @@ def test_client_disconnect_cancels_the_request(worker: Worker) -> None:
                 async for line in response.aiter_lines():
                     if line.startswith("data: "):
                         break  # one token arrived: the request is running; leaving closes the connection
-            deadline = time.monotonic() + 20
-            while time.monotonic() < deadline:
-                health = (await client.get("/health")).json()
-                if health["running"] == 0 and health["in_flight"] == 0:
-                    return health
-                await asyncio.sleep(0.05)
-            return health
+            return await _wait_until_idle(client, 20)
 
     health = asyncio.run(run())
     assert health["running"] == 0 and health["in_flight"] == 0, health
@@ -272,13 +276,7 @@ def test_client_timeout_cancels_a_non_streaming_request(worker: Worker) -> None:
             with pytest.raises(httpx.ReadTimeout):
                 await client.post("/v1/completions", json=body, timeout=httpx.Timeout(30, read=1.0))
         async with worker.client() as client:
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline:
-                health = (await client.get("/health")).json()
-                if health["running"] == 0 and health["in_flight"] == 0:
-                    return health
-                await asyncio.sleep(0.05)
-            return health
+            return await _wait_until_idle(client, 10)
 
     health = asyncio.run(run())
     assert health["running"] == 0 and health["in_flight"] == 0, health
