@@ -111,15 +111,13 @@ def triton_sweep() -> None:
             for block_n in (64, 128):
                 for split in (None, 2, 4, 8):
                     for warps, stages in ((4, 4), (4, 6), (8, 4), (2, 4)):
-                        for reduce_block in (256, 1024) if split is None else (256,):
-                            kw = dict(block_n=block_n, split_k=split, num_warps=warps, num_stages=stages,
-                                      reduce_block=reduce_block)  # fmt: skip
-                            try:
-                                ms = do_bench_cudagraph(lambda kw=kw: fp8_block_gemm(x, w, s, **kw))
-                                rows.append({"M": m, "N": n, "K": k, **kw, "split_k": split or "auto",
-                                             "us": ms * 1e3, "GBps": n * k / (ms / 1e3) / 1e9})  # fmt: skip
-                            except Exception as exc:
-                                rows.append({"M": m, "N": n, "K": k, **kw, "error": str(exc)[:200]})
+                        kw = dict(block_n=block_n, split_k=split, num_warps=warps, num_stages=stages)
+                        try:
+                            ms = do_bench_cudagraph(lambda kw=kw: fp8_block_gemm(x, w, s, **kw))
+                            rows.append({"M": m, "N": n, "K": k, **kw, "split_k": split or "auto",
+                                         "us": ms * 1e3, "GBps": n * k / (ms / 1e3) / 1e9})  # fmt: skip
+                        except Exception as exc:
+                            rows.append({"M": m, "N": n, "K": k, **kw, "error": str(exc)[:200]})
     best = {}
     for r in rows:
         key = (r["M"], r["N"], r["K"])
@@ -129,7 +127,6 @@ def triton_sweep() -> None:
             r.get("split_k") == "auto"
             and r.get("num_warps") == 4
             and r.get("num_stages") == 4
-            and r.get("reduce_block") == 256
             and r.get("block_n") == (128 if r["M"] <= 16 else 64)
         ):
             print("current", key, round(r.get("us", -1), 1), flush=True)
@@ -137,7 +134,7 @@ def triton_sweep() -> None:
         print(
             "best",
             key,
-            {k: r[k] for k in ("block_n", "split_k", "num_warps", "num_stages", "reduce_block")},
+            {k: r[k] for k in ("block_n", "split_k", "num_warps", "num_stages")},
             round(r["us"], 1),
             round(r["GBps"]),
             flush=True,
@@ -215,7 +212,8 @@ def engine_bench(ckpt: Path, batches: list[int], new_tokens: int) -> None:
         steps = [decode_step_seconds(engine, prompts, many) for _ in range(3)]
         step = min(steps)  # the first run after a pause meets a GPU still ramping its clocks
         row = {"batch": b, "decode_step_ms": step * 1e3, "decode_tokens_per_s": b / step,
-               "x_hbm_floor": step / floor_s, "runs_ms": [round(x * 1e3, 3) for x in steps]}  # fmt: skip
+               "x_hbm_floor": step / floor_s, "runs_ms": [round(x * 1e3, 3) for x in steps],
+               "graph_replay_ms": graph_replay_ms(engine, b)}  # fmt: skip
         decode.append(row)
         print(row, flush=True)
     RESULTS["engine_decode"] = decode
@@ -231,6 +229,15 @@ def engine_bench(ckpt: Path, batches: list[int], new_tokens: int) -> None:
     print(RESULTS["engine_prefill"], flush=True)
     del engine
     torch.cuda.empty_cache()
+
+
+def graph_replay_ms(engine, batch: int) -> float | None:
+    """GPU time of the captured decode graph alone (back-to-back replays): the step minus host work."""
+    graphs = engine.graphs.graphs if engine.graphs is not None else {}
+    graph = next((g for (b, _), (g, _) in sorted(graphs.items()) if b == batch), None)
+    if graph is None:
+        return None
+    return timed(graph.replay, iters=50) * 1e3
 
 
 def engine_tensors(engine) -> dict[str, torch.Tensor]:

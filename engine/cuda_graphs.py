@@ -1,8 +1,9 @@
 """CUDA graphs for decode: one graph per (batch bucket, attention span bucket), captured on first use.
 
 A decode step is hundreds of small kernels; replaying a captured graph removes their
-launch cost, which otherwise dominates small-batch decode. Inputs are copied into static
-buffers; padded rows decode a dummy token in slots that hold no running sequence.
+launch cost, which otherwise dominates small-batch decode. Inputs go into static
+buffers with one host-to-device copy from pinned memory; padded rows decode a dummy token
+in slots that hold no running sequence.
 """
 
 from __future__ import annotations
@@ -19,22 +20,24 @@ class GraphedDecode:
         self.kv = kv
         self.max_batch = kv.spec.slots
         device = model.device
-        self.tokens = torch.zeros(self.max_batch, dtype=torch.long, device=device)
-        self.positions = torch.zeros(self.max_batch, dtype=torch.long, device=device)
+        # Row 0: tokens, row 1: positions. Staged in pinned memory, copied in one transfer.
+        self.staged = torch.zeros(2, self.max_batch, dtype=torch.long, pin_memory=True)
+        self.inputs = torch.zeros(2, self.max_batch, dtype=torch.long, device=device)
+        self.tokens, self.positions = self.inputs[0], self.inputs[1]
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
     def buckets(self, batch: int, longest: int) -> tuple[int, int]:
         return min(self.max_batch, next_pow2(batch)), span_bucket(longest, self.kv.spec.max_len)
 
-    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, longest: int) -> torch.Tensor:
-        """Logits [B, vocab] for B sequences in slots 0..B-1; ``longest`` >= max(positions) + 1."""
-        b = tokens.shape[0]
-        bucket = self.buckets(b, longest)
-        self.tokens[:b].copy_(tokens)
-        self.positions[:b].copy_(positions)
-        self.tokens[b : bucket[0]].zero_()
-        self.positions[b : bucket[0]].zero_()
+    def __call__(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """Logits [B, vocab] for B sequences in slots 0..B-1 (token b at positions[b])."""
+        b = len(tokens)
+        bucket = self.buckets(b, max(positions) + 1)
+        # The previous step's copy has completed: its logits were read back before this call.
+        self.staged[:, :b] = torch.tensor([tokens, positions])
+        self.staged[:, b : bucket[0]] = 0
+        self.inputs[:, : bucket[0]].copy_(self.staged[:, : bucket[0]], non_blocking=True)
         entry = self.graphs.get(bucket) or self._capture(*bucket)
         entry[0].replay()
         return entry[1][:b]

@@ -7,13 +7,35 @@ engine/model.py stay the reference and the CPU path.
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
 import triton.language as tl
 
+# Programmatic dependent launch (Hopper+): a kernel may be scheduled while the previous one
+# finishes, and waits (gdc_wait) before touching memory. Experimental: WARMGATE_PDL=1.
+PDL = os.environ.get("WARMGATE_PDL") == "1"
+SMALL_ROWS = 64  # decode-sized launches only: a multi-wave kernel gains nothing from an early start
+
 
 @triton.jit
-def _add_rms_norm(x_ptr, r_ptr, w_ptr, out_ptr, n_cols, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+def _pdl_enter(USE_PDL: tl.constexpr):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # the previous kernel has finished and its writes are visible
+        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may be scheduled now
+
+
+@functools.cache
+def pdl_enabled(device: torch.device) -> bool:
+    return PDL and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@triton.jit
+def _add_rms_norm(x_ptr, r_ptr, w_ptr, out_ptr, n_cols, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+                  USE_PDL: tl.constexpr):  # fmt: skip
+    _pdl_enter(USE_PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -36,6 +58,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     _add_rms_norm[(rows,)](
         x, residual if residual is not None else x, weight, out, cols, eps,
         HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols), num_warps=4,
+        USE_PDL=(pdl := pdl_enabled(x.device) and rows <= SMALL_ROWS), launch_pdl=pdl,
     )  # fmt: skip
     return out
 
@@ -69,7 +92,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _silu_mul(g_ptr, u_ptr, out_ptr, n_cols, stride_g, stride_u, BLOCK: tl.constexpr):
+def _silu_mul(g_ptr, u_ptr, out_ptr, n_cols, stride_g, stride_u, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    _pdl_enter(USE_PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -84,7 +108,10 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     rows, cols = gate.shape
     out = torch.empty(rows, cols, dtype=gate.dtype, device=gate.device)
     block = 1024
-    _silu_mul[(rows, triton.cdiv(cols, block))](gate, up, out, cols, gate.stride(0), up.stride(0), BLOCK=block)
+    pdl = pdl_enabled(gate.device) and rows <= SMALL_ROWS
+    _silu_mul[(rows, triton.cdiv(cols, block))](
+        gate, up, out, cols, gate.stride(0), up.stride(0), BLOCK=block, USE_PDL=pdl, launch_pdl=pdl
+    )
     return out
 
 
@@ -111,3 +138,49 @@ def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
         k, v, k_cache, v_cache, positions, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), DIM=dim, num_warps=1,
     )  # fmt: skip
+
+
+@triton.jit
+def _rope_kv_write(qkv_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, pos_ptr, stride_t, stride_slot, stride_head,
+                   stride_pos, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+                   USE_PDL: tl.constexpr):  # fmt: skip
+    _pdl_enter(USE_PDL)
+    b = tl.program_id(0)
+    h = tl.program_id(1)  # 0..HEADS-1: a query head; HEADS..HEADS+KV_HEADS-1: a key/value head
+    offs = tl.arange(0, HALF)
+    src = qkv_ptr + b * stride_t + h * 2 * HALF
+    x1 = tl.load(src + offs).to(tl.float32)
+    x2 = tl.load(src + HALF + offs).to(tl.float32)
+    c = tl.load(cos_ptr + b * HALF + offs)
+    s = tl.load(sin_ptr + b * HALF + offs)
+    r1 = x1 * c - x2 * s
+    r2 = x2 * c + x1 * s
+    if h < HEADS:
+        dst = q_ptr + (b * HEADS + h) * 2 * HALF
+    else:
+        kv = h - HEADS
+        pos = tl.load(pos_ptr + b)
+        cache = b * stride_slot + kv * stride_head + pos * stride_pos
+        dst = kc_ptr + cache
+        v_src = qkv_ptr + b * stride_t + (HEADS + KV_HEADS + kv) * 2 * HALF
+        tl.store(vc_ptr + cache + offs, tl.load(v_src + offs))
+        tl.store(vc_ptr + cache + HALF + offs, tl.load(v_src + HALF + offs))
+    tl.store(dst + offs, r1.to(q_ptr.dtype.element_ty))
+    tl.store(dst + HALF + offs, r2.to(q_ptr.dtype.element_ty))
+
+
+def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, positions: torch.Tensor, heads: int,
+                  kv_heads: int) -> torch.Tensor:  # fmt: skip
+    """Decode attention's input side in one launch: from the merged projection qkv [B, (H + 2*KV) * D],
+    rotate q and k (rotate-half), write k and v into slot b at positions[b] of one layer's cache
+    [slots, KV, max_len, D], and return the rotated queries [B, H, D]. D must be a power of two."""
+    b = qkv.shape[0]
+    dim = k_cache.shape[-1]
+    q = torch.empty(b, heads, dim, dtype=qkv.dtype, device=qkv.device)
+    _rope_kv_write[(b, heads + kv_heads)](
+        qkv, cos, sin, q, k_cache, v_cache, positions, qkv.stride(0), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), HEADS=heads, KV_HEADS=kv_heads, HALF=dim // 2, num_warps=1,
+        USE_PDL=(pdl := pdl_enabled(qkv.device)), launch_pdl=pdl,
+    )  # fmt: skip
+    return q

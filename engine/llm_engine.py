@@ -195,14 +195,16 @@ class LLMEngine:
         running = list(self.scheduler.running)
         if not running:
             return
-        tokens = torch.tensor([s.output[-1] for s in running], device=self.device)
-        positions = torch.tensor([s.length - 1 for s in running], device=self.device)
-        longest = max(s.length for s in running)
+        tokens = [s.output[-1] for s in running]
+        positions = [s.length - 1 for s in running]
         if self.graphs is not None:
-            logits = self.graphs(tokens, positions, longest)
+            logits = self.graphs(tokens, positions)
         else:
-            span = span_bucket(longest, self.max_model_len)
-            logits = self.model.logits(self.model.decode(tokens, positions, self.kv, span))
+            span = span_bucket(max(positions) + 1, self.max_model_len)
+            logits = self.model.logits(
+                self.model.decode(torch.tensor(tokens, device=self.device),
+                                  torch.tensor(positions, device=self.device), self.kv, span)
+            )  # fmt: skip
         self._advance(running, logits)
 
     def _advance(self, seqs: list[Sequence], logits: torch.Tensor) -> None:

@@ -207,15 +207,14 @@ class Transformer:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self._norm(hidden, None, self.norm)).float()
 
-    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Any) -> torch.Tensor:
-        """Embed, run every layer with ``attend(layer_index, q, k, v) -> [T, heads * head_dim]``, return hidden."""
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, attention: Any) -> torch.Tensor:
+        """Embed, run every layer with ``attention(layer_index, layer, h, cos, sin) -> [T, heads * head_dim]``."""
         cos, sin = self.cos[positions], self.sin[positions]  # once per step, shared by all layers
         x = F.embedding(tokens, self.embed)
         delta = None
         for i, layer in enumerate(self.layers):
             h = self._norm(x, delta, layer.input_norm)
-            q, k, v = self._qkv(layer, h, cos, sin)
-            h = self._norm(x, layer.o(attend(i, q, k, v)), layer.post_norm)
+            h = self._norm(x, layer.o(attention(i, layer, h, cos, sin)), layer.post_norm)
             delta = self._mlp(layer, h)
         return x.add_(delta) if delta is not None else x
 
@@ -224,7 +223,8 @@ class Transformer:
         s = self.args.shape
         n = tokens.shape[0]
 
-        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        def attention(i: int, layer: Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+            q, k, v = self._qkv(layer, h, cos, sin)
             kv.write_prompt(i, slot, k, v)
             # [1, heads, T, d] against [1, kv_heads, T, d]: causal, grouped-query.
             attn = F.scaled_dot_product_attention(
@@ -233,7 +233,7 @@ class Transformer:
             )  # fmt: skip
             return attn.squeeze(0).transpose(0, 1).reshape(n, s.heads * s.head_dim)
 
-        return self._forward(tokens, torch.arange(n, device=self.device), attend)
+        return self._forward(tokens, torch.arange(n, device=self.device), attention)
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, kv: KVCache, span: int) -> torch.Tensor:
         """One token for each of the first B slots (token b belongs to slot b, at positions[b]).
@@ -242,15 +242,34 @@ class Transformer:
         """
         s = self.args.shape
         b = tokens.shape[0]
-        # Key j of slot b is visible when j <= positions[b]: [B, 1, 1, span]
-        mask = (torch.arange(span, device=self.device)[None, :] <= positions[:, None]).view(b, 1, 1, span)
+        # Key j of slot b is visible when j <= positions[b]. Additive, built once per step:
+        # a boolean mask would be converted to this inside every layer's attention call.
+        hidden = torch.arange(span, device=self.device)[None, :] > positions[:, None]
+        mask = torch.zeros(b, 1, 1, span, dtype=self.dtype, device=self.device).masked_fill_(
+            hidden.view(b, 1, 1, span), float("-inf")
+        )
 
-        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            kv.write_tokens(i, k, v, positions)
+        def attention(i: int, layer: Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+            merged = self._fusable_qkv(layer)
+            if merged is not None:
+                from engine.fused_ops import rope_kv_write
+
+                q = rope_kv_write(merged(h), cos, sin, kv.k[i], kv.v[i], positions, s.heads, s.kv_heads)
+            else:
+                q, k, v = self._qkv(layer, h, cos, sin)
+                kv.write_tokens(i, k, v, positions)
             keys, values = kv.view(i, b, span)
             attn = F.scaled_dot_product_attention(
                 q.unsqueeze(2), keys, values, attn_mask=mask, scale=self.scale, enable_gqa=s.heads != s.kv_heads
             )
             return attn.reshape(b, s.heads * s.head_dim)
 
-        return self._forward(tokens, positions, attend)
+        return self._forward(tokens, positions, attention)
+
+    def _fusable_qkv(self, layer: Layer) -> Linear | None:
+        """The merged q/k/v projection when CUDA decode can rotate q/k and write the cache in one
+        kernel: nothing between projection and rotation (no q/k norm), head_dim a power of two."""
+        d = self.args.shape.head_dim
+        if self.fused and layer.q_norm is None and d & (d - 1) == 0:
+            return layer.qkv.merged
+        return None

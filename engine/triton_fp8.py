@@ -11,19 +11,24 @@ the same processed tensors: weight [Np, Kp] (padded to 128), weight_scale [>=Np/
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
 import triton.language as tl
 
+from engine.fused_ops import SMALL_ROWS, _pdl_enter, pdl_enabled
+
 BLOCK_K = 128
 FP8_MAX = tl.constexpr(448.0)
+PREFETCH_TILES = int(os.environ.get("WARMGATE_PDL_PREFETCH", "2"))  # weight tiles per program read ahead
 
 
 @triton.jit
 def _fp8_block_gemm(
-    x_ptr, w_ptr, s_ptr, out_ptr, M, stride_xm, stride_wn, stride_sn, stride_om, stride_split,
-    K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, stride_xm, stride_wn, stride_sn, stride_om,
+    SPLITS: tl.constexpr, K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -32,8 +37,19 @@ def _fp8_block_gemm(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m[:, None] < M
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_begin = pid_k * K_PER_SPLIT
+    if USE_PDL:
+        # Weights never change, so they may be read before the previous kernel has finished:
+        # pull this program's first tiles into L2 while waiting. (The checksum only keeps the
+        # loads alive; it can never equal -1.)
+        seen = tl.zeros((BLOCK_N,), dtype=tl.int32)
+        for k0 in range(k_begin, k_begin + PREFETCH * BLOCK_K, BLOCK_K):
+            w = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :], eviction_policy="evict_last")
+            seen += tl.sum(w.to(tl.uint8, bitcast=True).to(tl.int32), axis=1)
+        _pdl_enter(USE_PDL)
+        acc = tl.where(seen[None, :] == -1, 1.0, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_begin, k_begin + K_PER_SPLIT, BLOCK_K):
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=m_mask, other=0.0).to(tl.float32)
         # Dynamic activation scale per token and group of 128, as the checkpoint's scheme says.
@@ -43,24 +59,29 @@ def _fp8_block_gemm(
         w_scale = tl.load(s_ptr + (offs_n // 128) * stride_sn + k0 // 128)
         part = tl.dot(xq, tl.trans(w))
         acc += part * x_scale[:, None] * w_scale[None, :]
-    # Split-K programs write fp32 partials to their own plane; _sum_splits adds them up.
-    out = out_ptr + pid_k * stride_split + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask)
-
-
-@triton.jit
-def _sum_splits(part_ptr, out_ptr, numel, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for i in range(SPLITS):
-        acc += tl.load(part_ptr + i * numel + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    if SPLITS == 1:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask)
+    else:
+        # Split-K: each program leaves its fp32 partial in its own plane; the last of a tile's
+        # SPLITS programs to arrive adds the planes up in a fixed order (deterministic) and
+        # re-arms the tile's counter for the next call. No second kernel, no float atomics.
+        tile = (pid_m * tl.num_programs(0) + pid_n) * BLOCK_M * BLOCK_N
+        local = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        plane = tl.num_programs(0) * tl.num_programs(2) * BLOCK_M * BLOCK_N
+        tl.store(part_ptr + pid_k * plane + tile + local, acc, mask=m_mask)
+        tl.debug_barrier()  # every thread's partial is written before the counter moves
+        counter = count_ptr + pid_m * tl.num_programs(0) + pid_n
+        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for i in range(SPLITS):
+                total += tl.load(part_ptr + i * plane + tile + local, mask=m_mask, other=0.0, cache_modifier=".cg")
+            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=m_mask)
+            tl.atomic_xchg(counter, 0)
 
 
 def fp8_block_gemm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, block_n: int | None = None,
-                   split_k: int | None = None, num_warps: int = 4, num_stages: int = 4,
-                   reduce_block: int = 256) -> torch.Tensor:  # fmt: skip
+                   split_k: int | None = None, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:  # fmt: skip
     """x [M, Kp] bf16, w [Np, Kp] fp8, s [>=Np/128, >=Kp/128] fp32 -> [M, Np] in x's dtype."""
     m, kp = x.shape
     np_ = w.shape[0]
@@ -70,23 +91,39 @@ def fp8_block_gemm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, block_n: i
     m_tiles = triton.cdiv(m, block_m)
     n_programs = np_ // block_n
     k_blocks = kp // BLOCK_K
+    if split_k is not None and k_blocks % split_k:
+        raise ValueError(f"split_k={split_k} does not divide the {k_blocks} K blocks")
     if split_k is None:
         # Enough programs to keep every SM streaming: about two waves (the best split in the H200 sweep).
         split_k = max(1, min(k_blocks, (2 * _sm_count(x.device.index)) // max(1, n_programs * m_tiles)))
         while k_blocks % split_k:
             split_k -= 1
-    partial = x.new_empty(split_k, m, np_, dtype=torch.float32) if split_k > 1 else x.new_empty(1, m, np_)
-    _fp8_block_gemm[(n_programs, split_k, m_tiles)](
-        x, w, s, partial, m, x.stride(0), w.stride(0), s.stride(0), partial.stride(1), partial.stride(0),
-        K_PER_SPLIT=kp // split_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=num_warps,
-        num_stages=num_stages,
-    )  # fmt: skip
-    if split_k == 1:
-        return partial[0]
     out = x.new_empty(m, np_)
-    numel = m * np_
-    _sum_splits[(triton.cdiv(numel, reduce_block),)](partial, out, numel, SPLITS=split_k, BLOCK=reduce_block)
+    tiles = n_programs * m_tiles
+    part = x.new_empty(split_k * tiles * block_m * block_n if split_k > 1 else 1, dtype=torch.float32)
+    _fp8_block_gemm[(n_programs, split_k, m_tiles)](
+        x, w, s, out, part, _tile_counters(x.device, tiles), m, np_, x.stride(0), w.stride(0), s.stride(0),
+        out.stride(0), SPLITS=split_k, K_PER_SPLIT=kp // split_k, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=BLOCK_K, num_warps=num_warps, num_stages=num_stages,
+        USE_PDL=(pdl := pdl_enabled(x.device) and m <= SMALL_ROWS), launch_pdl=pdl,
+        PREFETCH=min(PREFETCH_TILES, kp // split_k // BLOCK_K),
+    )  # fmt: skip
     return out
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Per-tile arrival counters for split-K, zero between calls (the last program re-arms them).
+
+    One buffer per device serves every GEMM: calls on one stream never overlap.
+    """
+    counters = _COUNTERS.get(device)
+    if counters is None or counters.numel() < tiles:
+        counters = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=device)
+        _COUNTERS[device] = counters
+    return counters
 
 
 @functools.cache

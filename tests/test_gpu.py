@@ -115,3 +115,47 @@ def test_rowwise_fp8_kernel_matches_dequantized_reference(kind: WeightKind, m: i
     got = fp8_rowwise_scaled_mm(x, tensors, recipe).float()
     assert got.shape == (m, n)
     assert float((got - ref).norm() / ref.norm()) < 1e-2
+
+
+@pytest.mark.parametrize(("n", "k", "split_k"), [(4096, 4096, 8), (6144, 4096, 4), (4096, 14336, 8), (1024, 2048, 2)])
+def test_split_k_in_kernel_reduction_is_exact_and_repeatable(n: int, k: int, split_k: int) -> None:
+    """The last-arriving program sums the split planes: same result as one program over all of K
+    (up to fp32 summation order), identical across calls, and the counters re-arm themselves."""
+    from engine.triton_fp8 import _tile_counters, fp8_block_gemm
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(n + k)
+    w = (torch.randn(n, k, device=dev, generator=gen) * 0.02).to(torch.bfloat16)
+    q, s = quantize_weight(w, WeightKind.FP8_BLOCK)
+    for m in (1, 5, 16, 64):
+        x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
+        whole = fp8_block_gemm(x, q, s, split_k=1).float()
+        runs = [fp8_block_gemm(x, q, s, split_k=split_k) for _ in range(20)]
+        assert all(torch.equal(runs[0], r) for r in runs), "split-K result changed between calls"
+        assert float((runs[0].float() - whole).norm() / whole.norm()) < 1e-2
+        assert int(_tile_counters(dev, 1).abs().sum()) == 0, "a tile counter was left armed"
+    with pytest.raises(ValueError, match="does not divide"):
+        fp8_block_gemm(x, q, s, split_k=k // 128 + 1)
+
+
+def test_fused_rope_kv_write_matches_separate_ops() -> None:
+    from engine.fused_ops import rope_kv_write
+    from engine.model import apply_rope
+
+    dev = torch.device("cuda")
+    heads, kv_heads, dim, b = 8, 2, 128, 3
+    qkv = torch.randn(b, (heads + 2 * kv_heads) * dim, device=dev, dtype=torch.bfloat16)
+    angles = torch.rand(b, dim // 2, device=dev) * 6
+    cos, sin = angles.cos(), angles.sin()
+    k_cache = torch.zeros(4, kv_heads, 64, dim, device=dev, dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    positions = torch.tensor([0, 63, 9], device=dev)
+    q = rope_kv_write(qkv, cos, sin, k_cache, v_cache, positions, heads, kv_heads)
+    q_ref = apply_rope(qkv[:, : heads * dim].view(b, heads, dim), cos, sin)
+    k_ref = apply_rope(qkv[:, heads * dim : (heads + kv_heads) * dim].view(b, kv_heads, dim), cos, sin)
+    v_ref = qkv[:, (heads + kv_heads) * dim :].view(b, kv_heads, dim)
+    torch.testing.assert_close(q, q_ref)
+    for i in range(b):
+        torch.testing.assert_close(k_cache[i, :, positions[i]], k_ref[i])
+        assert torch.equal(v_cache[i, :, positions[i]], v_ref[i])
+    assert int((k_cache != 0).any(dim=-1).sum()) == b * kv_heads, "nothing else written"
