@@ -8,15 +8,15 @@ engine/model.py stay the reference and the CPU path.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-# Programmatic dependent launch (Hopper+): a kernel may be scheduled while the previous one
-# finishes, and waits (gdc_wait) before touching memory. Experimental: WARMGATE_PDL=1.
-PDL = os.environ.get("WARMGATE_PDL") == "1"
+# Programmatic dependent launch (Hopper+): a decode kernel is scheduled while the previous one
+# finishes and waits (gdc_wait) before touching memory; saves launch gaps inside the CUDA
+# graph (docs/benchmarks.md). Benchmarks switch it off to compare.
+PDL = True
 SMALL_ROWS = 64  # decode-sized launches only: a multi-wave kernel gains nothing from an early start
 
 

@@ -198,17 +198,19 @@ class LLMEngine:
         tokens = [s.output[-1] for s in running]
         positions = [s.length - 1 for s in running]
         if self.graphs is not None:
-            logits = self.graphs(tokens, positions)
+            logits, argmax = self.graphs(tokens, positions)
+            self._advance(running, logits, argmax)
         else:
             span = span_bucket(max(positions) + 1, self.max_model_len)
             logits = self.model.logits(
                 self.model.decode(torch.tensor(tokens, device=self.device),
                                   torch.tensor(positions, device=self.device), self.kv, span)
             )  # fmt: skip
-        self._advance(running, logits)
+            self._advance(running, logits)
 
-    def _advance(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        chosen = sample(logits, [s.params for s in seqs], [s.output for s in seqs], [s.generator for s in seqs])
+    def _advance(self, seqs: list[Sequence], logits: torch.Tensor, argmax: list[int] | None = None) -> None:
+        params, outputs = [s.params for s in seqs], [s.output for s in seqs]
+        chosen = sample(logits, params, outputs, [s.generator for s in seqs], argmax)
         for seq, token in zip(seqs, chosen, strict=True):
             seq.output.append(token)
             reason = None

@@ -24,10 +24,16 @@ def sample(
     params: list[SamplingParams],
     outputs: list[list[int]],
     generators: list[torch.Generator | None],
+    argmax: list[int] | None = None,
 ) -> list[int]:
-    """One token per row of ``logits`` [B, vocab] (float32)."""
-    logits = apply_penalties(logits, outputs, params)
-    chosen = logits.argmax(dim=-1).tolist()
+    """One token per row of ``logits`` [B, vocab] (float32).
+
+    ``argmax``: the rows' argmax when already known (the CUDA-graph decode computes it); not
+    used when a penalty changes the logits.
+    """
+    if any(p.presence_penalty or p.frequency_penalty for p in params):
+        logits, argmax = apply_penalties(logits, outputs, params), None
+    chosen = argmax if argmax is not None else logits.argmax(dim=-1).tolist()
     for i, p in enumerate(params):
         if p.greedy:
             continue

@@ -11,7 +11,6 @@ the same processed tensors: weight [Np, Kp] (padded to 128), weight_scale [>=Np/
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -21,15 +20,15 @@ from engine.fused_ops import SMALL_ROWS, _pdl_enter, pdl_enabled
 
 BLOCK_K = 128
 FP8_MAX = tl.constexpr(448.0)
-PREFETCH_TILES = int(os.environ.get("WARMGATE_PDL_PREFETCH", "2"))  # weight tiles per program read ahead
 
 
 @triton.jit
 def _fp8_block_gemm(
     x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, stride_xm, stride_wn, stride_sn, stride_om,
     SPLITS: tl.constexpr, K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    _pdl_enter(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -38,18 +37,7 @@ def _fp8_block_gemm(
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m[:, None] < M
     k_begin = pid_k * K_PER_SPLIT
-    if USE_PDL:
-        # Weights never change, so they may be read before the previous kernel has finished:
-        # pull this program's first tiles into L2 while waiting. (The checksum only keeps the
-        # loads alive; it can never equal -1.)
-        seen = tl.zeros((BLOCK_N,), dtype=tl.int32)
-        for k0 in range(k_begin, k_begin + PREFETCH * BLOCK_K, BLOCK_K):
-            w = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :], eviction_policy="evict_last")
-            seen += tl.sum(w.to(tl.uint8, bitcast=True).to(tl.int32), axis=1)
-        _pdl_enter(USE_PDL)
-        acc = tl.where(seen[None, :] == -1, 1.0, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_begin, k_begin + K_PER_SPLIT, BLOCK_K):
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=m_mask, other=0.0).to(tl.float32)
         # Dynamic activation scale per token and group of 128, as the checkpoint's scheme says.
@@ -106,7 +94,6 @@ def fp8_block_gemm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, block_n: i
         out.stride(0), SPLITS=split_k, K_PER_SPLIT=kp // split_k, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=BLOCK_K, num_warps=num_warps, num_stages=num_stages,
         USE_PDL=(pdl := pdl_enabled(x.device) and m <= SMALL_ROWS), launch_pdl=pdl,
-        PREFETCH=min(PREFETCH_TILES, kp // split_k // BLOCK_K),
     )  # fmt: skip
     return out
 
