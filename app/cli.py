@@ -50,6 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("path", type=Path)
     check.set_defaults(run=_check)
 
+    cache = commands.add_parser("cache", help="run the cache process: a model's processed weights, shared with engines")
+    cache.add_argument("--model", type=Path, required=True, help="checkpoint directory")
+    cache.add_argument("--socket", type=Path, required=True, help="Unix socket to serve on (its directory: 0700)")
+    cache.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N: where the weights are kept")
+    cache.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                       help="compute dtype the engines will use (auto: float32 on CPU, bfloat16 on CUDA)")  # fmt: skip
+    cache.set_defaults(run=_cache)
+
     engine = commands.add_parser("engine", help="run an engine worker serving the OpenAI API on a Unix socket")
     engine.add_argument("--socket", type=Path, required=True, help="Unix socket path to serve on (mode 0600)")
     engine.add_argument("--config", required=True, help="engine config: a .json/.toml file or an inline JSON object")
@@ -95,6 +103,12 @@ def _check(args: argparse.Namespace) -> None:
     _print_check(args.path)
 
 
+def _cache(args: argparse.Namespace) -> None:
+    from cache.server import main as run_cache
+
+    run_cache(args.model, args.socket, device=args.device, dtype=args.dtype)
+
+
 def _engine(args: argparse.Namespace) -> None:
     from engine.worker import main as run_worker
 
@@ -110,9 +124,12 @@ def _print_check(path: Path) -> None:
 def _expected_errors() -> tuple[type[BaseException], ...]:
     """Errors that are the user's to fix: shown as one line, no traceback."""
     from cache.checkpoint.demo import DemoSourceError
+    from cache.client import CacheRefused, CacheUnavailable
     from cache.errors import CheckpointError
+    from engine.weights import WeightKeyMismatch
 
-    return (CheckpointError, DemoSourceError, FileExistsError, FileNotFoundError, ValueError)
+    return (CheckpointError, DemoSourceError, CacheUnavailable, CacheRefused, WeightKeyMismatch, FileExistsError,
+            FileNotFoundError, NotADirectoryError, PermissionError, ValueError)  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -7,7 +7,7 @@ import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class EngineConfig(BaseModel):
@@ -25,6 +25,12 @@ class EngineConfig(BaseModel):
     weights: Literal["disk", "ipc", "ipc-or-disk"] = "disk"
     cache_socket: Path | None = None
     default_max_tokens: int = Field(256, ge=1)
+
+    @model_validator(mode="after")
+    def _cache_socket_for_ipc(self) -> EngineConfig:
+        if self.weights != "disk" and self.cache_socket is None:
+            raise ValueError(f"weights={self.weights!r} needs cache_socket (the cache process's socket)")
+        return self
 
     @property
     def name(self) -> str:

@@ -28,7 +28,7 @@ from engine.model import ModelArgs, Transformer
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, Sequence
-from engine.weights import DiskWeights, WeightSource
+from engine.weights import LoadedWeights, WeightSource, weight_source
 
 log = logging.getLogger("warmgate.engine")
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -88,7 +88,9 @@ class LLMEngine:
                 torch.zeros(1, device=self.device)  # create the context now, not on the first request
             self.dtype = compute_dtype(self.device, config.dtype)
         with self._phase("weight_load"):
-            loaded = (source or DiskWeights(config.model)).load(self.device, self.dtype)
+            source = source or weight_source(config.model, config.weights, config.cache_socket)
+            loaded = source.load(self.device, self.dtype)
+            self.weights: LoadedWeights = loaded  # holds the cache attachment (lease, mappings) while we live
             self.weight_source = loaded.source
             self.args = ModelArgs.from_config(loaded.config)
             self.model = Transformer(self.args, loaded.weights)

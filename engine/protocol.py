@@ -323,11 +323,21 @@ class CompletionChunk(OpenAIModel):
 # --- internal API (the supervisor's side) -----------------------------------------------------------------------
 
 
+class WeightsInfo(OpenAIModel):
+    source: Literal["disk", "ipc"]
+    key: str | None = None  # the cache key, when attached
+    lease: int | None = None
+    fallbacks: int = 0  # 1 when ipc-or-disk loaded from disk instead of the cache
+    fallback_reason: str | None = None
+
+
 class HealthResponse(OpenAIModel):
     status: Literal["ok", "draining", "dead"]
     running: int
     waiting: int
     in_flight: int
+    weights: WeightsInfo
+    startup_phases: dict[str, float]  # seconds: device_init, weight_load, kv_alloc, warmup
 
 
 class DrainRequest(OpenAIModel):

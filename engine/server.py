@@ -44,6 +44,7 @@ from engine.protocol import (
     ModelList,
     SamplingRequest,
     Usage,
+    WeightsInfo,
     random_id,
 )
 from engine.tokenizer import ChatTemplateError, ChatTokenizer
@@ -444,6 +445,15 @@ def create_app(engine: LLMEngine, tokenizer: ChatTokenizer) -> FastAPI:
         log.exception("event=request_failed error=%s", type(exc).__name__)
         return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
 
+    loaded = engine.weights
+    weights_info = WeightsInfo(
+        source=loaded.source,  # type: ignore[arg-type]
+        key=loaded.key,
+        lease=loaded.attachment.lease if loaded.attachment else None,
+        fallbacks=int(loaded.fallback_reason is not None),
+        fallback_reason=loaded.fallback_reason,
+    )
+
     @app.get("/health")
     async def health() -> JSONResponse:
         # A dead scheduler thread would hang every request: report it so the supervisor replaces us.
@@ -455,6 +465,8 @@ def create_app(engine: LLMEngine, tokenizer: ChatTokenizer) -> FastAPI:
             running=engine.num_running,
             waiting=engine.num_waiting,
             in_flight=api.admission.in_flight,
+            weights=weights_info,
+            startup_phases=engine.startup_phases,
         )
         return JSONResponse(body.model_dump(mode="json"), status_code=200 if status == "ok" else 503)
 

@@ -1,15 +1,42 @@
-"""Where an engine's weights come from. Disk now; the cache process adds an attach source."""
+"""Where an engine's weights come from: the cache process (attach), or the checkpoint on disk.
+
+Policy (EngineConfig.weights): ``ipc`` attaches or fails; ``ipc-or-disk`` attaches, or loads
+from disk when the cache is absent or holds other weights (logged, and reported by the
+worker's /health); ``disk`` always loads and processes the checkpoint itself.
+"""
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
+from cache.arena import Arena, attach_arena, dtype_of, tensor_views
 from cache.checkpoint.reader import read_checkpoint
+from cache.client import CacheClient, CacheRefused, CacheUnavailable
+from cache.events import log_event
+from cache.manifest import Manifest, cache_key
 from cache.processing import ProcessedWeights, process_checkpoint
+
+log = logging.getLogger("warmgate.engine.weights")
+
+
+class WeightKeyMismatch(RuntimeError):
+    """The cache holds weights other than the ones this engine would produce (checkpoint or recipe differ)."""
+
+
+@dataclass
+class Attachment:
+    """Keeps an attach alive: the cache connection (the lease) and the mapped arenas."""
+
+    client: CacheClient
+    lease: int
+    arenas: list[Arena]
+    manifest: Manifest
 
 
 @dataclass
@@ -17,6 +44,9 @@ class LoadedWeights:
     config: dict[str, Any]  # the checkpoint's config.json
     weights: ProcessedWeights
     source: str  # "disk" or "ipc"
+    key: str | None = None  # the cache key (ipc)
+    attachment: Attachment | None = None
+    fallback_reason: str | None = None  # ipc-or-disk: why the cache was not used
 
 
 class WeightSource(Protocol):
@@ -32,3 +62,77 @@ class DiskWeights:
     def load(self, device: torch.device, dtype: torch.dtype) -> LoadedWeights:
         ckpt = read_checkpoint(self.path)
         return LoadedWeights(ckpt.config, process_checkpoint(ckpt, device, dtype), "disk")
+
+
+class CachedWeights:
+    """Attach to a cache process: map its arenas read-only, bind the tensors, no processing, no copy.
+
+    The expected key comes from the checkpoint's metadata (config, safetensors headers, file
+    stats): no tensor data is read from disk.
+    """
+
+    def __init__(self, path: Path, socket_path: Path, name: str = "") -> None:
+        self.path = path
+        self.socket_path = socket_path
+        self.name = name or f"engine-{os.getpid()}"
+
+    def load(self, device: torch.device, dtype: torch.dtype) -> LoadedWeights:
+        expected = cache_key(read_checkpoint(self.path, check_values=False), device, dtype)
+        client = CacheClient(self.socket_path, name=self.name)
+        try:
+            if client.hello["key"] != expected:
+                raise WeightKeyMismatch(
+                    f"the cache on {self.socket_path} holds {client.hello.get('model')} on "
+                    f"{client.hello.get('device')} with key {client.hello['key'][:12]}, this engine expects "
+                    f"{self.path} processed for {device} {dtype} (key {expected[:12]})"
+                )
+            lease, manifest, fds = client.attach(self.name)
+            try:
+                if manifest.device != str(device):
+                    raise WeightKeyMismatch(f"the cache holds weights on {manifest.device}, the engine is on {device}")
+                arenas = [attach_arena(a.transport, fd, a.size, device)
+                          for a, fd in zip(manifest.arenas, fds, strict=True)]  # fmt: skip
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            tensors: dict[str, torch.Tensor] = {}
+            for index, arena in enumerate(arenas):
+                tensors.update(tensor_views(arena.buffer(), [e for e in manifest.tensors if e.arena == index]))
+            weights = ProcessedWeights(tensors, manifest.recipes(), dtype_of(manifest.dtype), device)
+        except BaseException:
+            client.close()
+            raise
+        attachment = Attachment(client, lease, arenas, manifest)
+        return LoadedWeights(manifest.config, weights, "ipc", key=manifest.key, attachment=attachment)
+
+
+class CachedOrDiskWeights:
+    """``ipc-or-disk``: the cache when it serves this engine's key, else the checkpoint on disk."""
+
+    def __init__(self, cached: CachedWeights, disk: DiskWeights) -> None:
+        self.cached = cached
+        self.disk = disk
+
+    def load(self, device: torch.device, dtype: torch.dtype) -> LoadedWeights:
+        try:
+            return self.cached.load(device, dtype)
+        except (CacheUnavailable, CacheRefused, WeightKeyMismatch) as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+        log_event(log, "weights_fallback", policy="ipc-or-disk", reason=reason)
+        loaded = self.disk.load(device, dtype)
+        loaded.fallback_reason = reason
+        return loaded
+
+
+def weight_source(model: Path, policy: str, cache_socket: Path | None) -> WeightSource:
+    """The weight source an engine config asks for."""
+    if policy == "disk":
+        return DiskWeights(model)
+    if cache_socket is None:
+        raise ValueError(f"weights={policy!r} needs cache_socket")
+    cached = CachedWeights(model, cache_socket)
+    if policy == "ipc":
+        return cached
+    if policy == "ipc-or-disk":
+        return CachedOrDiskWeights(cached, DiskWeights(model))
+    raise ValueError(f"unknown weights policy {policy!r} (supported: disk, ipc, ipc-or-disk)")

@@ -12,11 +12,12 @@ import logging
 import os
 import signal
 import socket
-import stat
 import time
 from collections.abc import Generator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from cache import events
 
 if TYPE_CHECKING:
     import uvicorn
@@ -31,49 +32,7 @@ DEFAULT_DRAIN_TIMEOUT = 30.0  # seconds a SIGTERM waits for in-flight requests b
 
 
 def log_event(event: str, **fields: Any) -> None:
-    """One structured log line: event=... key=value ..."""
-    parts = [f"event={event}"]
-    for key, value in fields.items():
-        text = f"{value:.3f}" if isinstance(value, float) else str(value)
-        parts.append(f"{key}={text}" if " " not in text else f'{key}="{text}"')
-    log.info(" ".join(parts))
-
-
-def _configure_logging() -> None:
-    # Only when nobody (a test, an embedding program) has configured logging already.
-    if not logging.getLogger().handlers:
-        logging.basicConfig(
-            level=logging.INFO,
-            format="ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
-            datefmt="%Y-%m-%dT%H:%M:%S",
-        )
-
-
-def bind_unix_socket(path: Path) -> socket.socket:
-    """A listening socket at path, mode 0600; a stale socket file is replaced, a live one is an error."""
-    if path.exists() or path.is_symlink():
-        if not stat.S_ISSOCK(path.lstat().st_mode):
-            raise FileExistsError(f"{path} exists and is not a socket; refusing to replace it")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(str(path))
-        except (ConnectionRefusedError, FileNotFoundError):
-            path.unlink(missing_ok=True)  # left behind by a worker that died
-        else:
-            raise FileExistsError(f"another process is serving on {path}")
-        finally:
-            probe.close()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    # Set through the umask, the socket is 0600 from the moment it exists (a chmod after bind leaves a window).
-    old_umask = os.umask(0o177)
-    try:
-        sock.bind(str(path))
-    finally:
-        os.umask(old_umask)
-    sock.listen(256)
-    sock.setblocking(False)
-    return sock
+    events.log_event(log, event, **fields)
 
 
 def _server_class() -> type[uvicorn.Server]:
@@ -132,10 +91,11 @@ async def _serve(app: FastAPI, api: EngineAPI, engine: LLMEngine, sock: socket.s
 def main(socket_path: str | Path, config_source: str, drain_timeout: float = DEFAULT_DRAIN_TIMEOUT) -> int:
     """Run an engine worker: build the engine from the config (file or inline JSON), serve it on socket_path."""
     started = time.perf_counter()
-    _configure_logging()
+    events.configure_logging()
     socket_path = Path(socket_path)
     log_event("startup", phase="begin", socket=socket_path, pid=os.getpid())
 
+    from cache.uds import bind_unix_socket
     from engine.config import EngineConfig
 
     config = EngineConfig.load(config_source)  # before the heavy imports: a bad config fails at once
@@ -164,6 +124,7 @@ def main(socket_path: str | Path, config_source: str, drain_timeout: float = DEF
     try:
         app = create_app(engine, tokenizer)
         sock = bind_unix_socket(socket_path)
+        sock.setblocking(False)
     except BaseException:
         engine.stop()
         raise

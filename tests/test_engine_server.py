@@ -7,80 +7,24 @@ import json
 import signal
 import socket
 import stat
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from conftest import PROMPT
+from processes import MAX_MODEL_LEN, Worker, start_worker
 
+from cache.uds import bind_unix_socket
 from engine.tokenizer import ChatTokenizer
-from engine.worker import bind_unix_socket
 
-REPO = Path(__file__).resolve().parents[1]
-START_DEADLINE = 120.0  # seconds; start-up takes a few seconds here, a cold page cache more
-MAX_MODEL_LEN = 1024  # small KV cache: a faster start, and a prompt that is too long stays cheap to build
 FRANCE = [{"role": "user", "content": PROMPT}]
 
 
-@dataclass
-class Worker:
-    proc: subprocess.Popen[bytes]
-    socket: Path
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text()
-
-    def client(self) -> httpx.AsyncClient:
-        transport = httpx.AsyncHTTPTransport(uds=str(self.socket))
-        return httpx.AsyncClient(transport=transport, base_url="http://engine", timeout=60)
-
-    def exit_code(self, timeout: float) -> int:
-        return self.proc.wait(timeout=timeout)
-
-
-def start_worker(directory: Path, model: Path) -> Worker:
-    """Start `warmgate engine` and wait until /health answers (or the process dies, or the deadline passes)."""
-    sock = directory / "engine.sock"
-    config = json.dumps({"model": str(model), "max_num_seqs": 8, "max_model_len": MAX_MODEL_LEN})
-    log_path = directory / "engine.log"
-    with log_path.open("wb") as log:
-        cmd = [sys.executable, "-m", "app.cli", "engine", "--socket", str(sock), "--config", config]
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    worker = Worker(proc, sock, log_path)
-    deadline = time.monotonic() + START_DEADLINE
-    transport = httpx.HTTPTransport(uds=str(sock))
-    with httpx.Client(transport=transport, base_url="http://engine", timeout=5) as client:
-        while time.monotonic() < deadline:
-            if sock.exists():
-                try:
-                    if client.get("/health").status_code == 200:
-                        return worker
-                except httpx.TransportError:
-                    pass
-            try:  # doubles as the poll interval: returns at once if the worker died
-                code = proc.wait(timeout=0.1)
-            except subprocess.TimeoutExpired:
-                continue
-            pytest.fail(f"engine worker exited with {code} during start-up:\n{worker.log()}")
-    stop_worker(worker)
-    pytest.fail(f"engine worker not healthy after {START_DEADLINE}s:\n{worker.log()}")
-
-
 def stop_worker(worker: Worker) -> None:
-    if worker.proc.poll() is None:
-        worker.proc.send_signal(signal.SIGTERM)
-        try:
-            worker.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            worker.proc.kill()
-            worker.proc.wait()
+    worker.stop()
 
 
 @pytest.fixture(scope="module")

@@ -159,3 +159,101 @@ def test_fused_rope_kv_write_matches_separate_ops() -> None:
         torch.testing.assert_close(k_cache[i, :, positions[i]], k_ref[i])
         assert torch.equal(v_cache[i, :, positions[i]], v_ref[i])
     assert int((k_cache != 0).any(dim=-1).sum()) == b * kv_heads, "nothing else written"
+
+
+def test_cuda_vmm_arena_maps_read_only_in_a_fresh_process(tmp_path: Path) -> None:
+    """The CUDA transport: fill a VMM arena, pass its fd to another process, read the same bytes there."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from cache.arena import create_arena, plan_layout, tensor_views
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    tensors = {"w": torch.randn(1000, 300, device=dev).to(torch.float8_e4m3fn), "b": torch.randn(77, device=dev)}
+    entries, size = plan_layout(tensors)
+    arena = create_arena(size, dev)
+    arena.fill(entries, tensors)
+    arena.seal()
+    views = tensor_views(arena.buffer(), entries)
+    assert torch.equal(views["b"], tensors["b"]) and torch.equal(
+        views["w"].view(torch.uint8), tensors["w"].view(torch.uint8)
+    )
+    fd = arena.export_fd()
+    child = f"""
+import json, torch
+from cache.arena import attach_arena
+dev = torch.device("cuda", {dev.index})
+torch.zeros(1, device=dev)
+a = attach_arena("cuda-vmm", {fd}, {arena.size}, dev)
+buf = a.buffer()
+out = {{"sum": int(buf.to(torch.int64).sum())}}
+try:
+    buf[0] = 7
+    torch.cuda.synchronize()
+    out["write"] = "allowed"
+except Exception as exc:
+    out["write"] = "refused"
+print(json.dumps(out))
+"""
+    try:
+        run = subprocess.run([sys.executable, "-c", child], pass_fds=[fd], capture_output=True, text=True, timeout=120,
+                             cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+    finally:
+        os.close(fd)
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["sum"] == int(arena.buffer().to(torch.int64).sum())
+    assert result["write"] == "refused"
+
+
+def test_cuda_attach_gives_the_disk_outputs_without_copying_weights(tmp_path: Path) -> None:
+    """A cache process on the GPU; engines attach (ipc), fall back (ipc-or-disk, no cache) and load (disk)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from cache.client import CacheClient, CacheUnavailable
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+
+    path = synth_checkpoint(tmp_path / "q", "qwen3-0.6b", "fp8-block", num_layers=2, device="cuda", progress=False)
+    sock = tmp_path / "run" / "cache.sock"
+    base = {"model": path, "device": "cuda", "max_num_seqs": 2, "max_model_len": 128, "cache_socket": sock}
+    prompts, params = [[5, 6, 7] * 9, [11, 12] * 4], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    disk = LLMEngine(EngineConfig(**base)).generate(prompts, params)
+    fallback = LLMEngine(EngineConfig(**base, weights="ipc-or-disk"))
+    assert fallback.weight_source == "disk" and fallback.generate(prompts, params) == disk
+    del fallback
+    cmd = [sys.executable, "-m", "app.cli", "cache", "--model", str(path), "--socket", str(sock), "--device", "cuda"]
+    cache = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1])
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                CacheClient(sock).close()
+                break
+            except CacheUnavailable:
+                assert cache.poll() is None and time.monotonic() < deadline
+                time.sleep(0.2)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        engine = LLMEngine(EngineConfig(**base, weights="ipc"))
+        growth = torch.cuda.memory_allocated() - before
+        manifest = engine.weights.attachment.manifest
+        # KV cache, rotary tables and graph pools are the engine's own; a weight copy would be +100%.
+        assert growth - engine.kv.spec.total_bytes < 0.25 * manifest.nbytes, (growth, manifest.nbytes)
+        assert engine.generate(prompts, params) == disk
+        qkv = manifest.layers["model.layers.0.self_attn.qkv_proj"]
+        assert qkv["kernel"] == FP8_BLOCK_SCALED_MM and qkv["block_size"] == [128, 128] and qkv["weight_layout"] == "NK"
+        w = engine.model.layers[0].qkv.merged.tensors["weight"]
+        assert w.dtype == torch.float8_e4m3fn and w.shape[0] % 128 == 0 and w.shape[1] % 128 == 0
+        base_ptr = engine.weights.attachment.arenas[0].buffer().data_ptr()
+        assert base_ptr <= w.data_ptr() < base_ptr + manifest.nbytes, "weights must be views of the cache arena"
+    finally:
+        cache.send_signal(signal.SIGTERM)
+        assert cache.wait(timeout=60) == 0
+        assert not os.path.exists(sock)

@@ -1,0 +1,265 @@
+"""Arenas: one large buffer per device that holds every processed tensor at an aligned offset.
+
+One mechanism on both devices: the cache process fills an arena, exports it as a file
+descriptor, and engines map that descriptor read-only (it travels over the cache socket with
+SCM_RIGHTS). An attach therefore opens one handle per arena, not one per tensor.
+
+* CPU: a sealed memfd. After filling, the cache drops its writable mapping and seals the
+  file against writes and resizing, so no process can map it writable again.
+* CUDA: a CUDA VMM allocation (cuMemCreate, POSIX-fd handle type) through NVIDIA's
+  cuda-bindings; engines import it and map it with read-only access. The driver refcounts
+  the memory: mappings stay valid while any process holds them.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import math
+import mmap
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+ALIGN = 256  # bytes between tensors: enough for every dtype and for vectorised GPU loads
+
+MEMFD = "memfd"
+CUDA_VMM = "cuda-vmm"
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor lives: arena index, byte offset, dtype name (torch), shape, stride (elements)."""
+
+    name: str
+    arena: int
+    offset: int
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtype_of(self.dtype).itemsize
+
+
+def dtype_of(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def plan_layout(tensors: dict[str, torch.Tensor]) -> tuple[list[TensorEntry], int]:
+    """Offsets for every tensor (stored contiguous) in one arena, and the arena's size in bytes."""
+    entries, offset = [], 0
+    for name, t in tensors.items():
+        offset = -(-offset // ALIGN) * ALIGN
+        contiguous_stride = torch.empty(t.shape, device="meta").stride()
+        entries.append(TensorEntry(name, 0, offset, dtype_name(t.dtype), tuple(t.shape), tuple(contiguous_stride)))
+        offset += t.numel() * t.element_size()
+    return entries, max(offset, ALIGN)
+
+
+def tensor_views(buffer: torch.Tensor, entries: list[TensorEntry]) -> dict[str, torch.Tensor]:
+    """Typed views into a uint8 arena buffer (no copies)."""
+    out = {}
+    for e in entries:
+        raw = buffer[e.offset : e.offset + e.nbytes]
+        out[e.name] = raw.view(dtype_of(e.dtype)).as_strided(e.shape, e.stride)
+    return out
+
+
+def copy_into(buffer: torch.Tensor, entries: list[TensorEntry], tensors: dict[str, torch.Tensor]) -> None:
+    for name, view in tensor_views(buffer, entries).items():
+        view.copy_(tensors[name])
+
+
+class Arena(Protocol):
+    transport: str
+    size: int
+
+    def buffer(self) -> torch.Tensor:
+        """The whole arena as a uint8 tensor on its device."""
+        ...
+
+    def export_fd(self) -> int:
+        """A file descriptor another process can map (the caller closes it after sending)."""
+        ...
+
+
+def create_arena(size: int, device: torch.device) -> WritableArena:
+    """A new arena to fill; ``seal()`` it before exporting."""
+    if device.type == "cpu":
+        return MemfdArena(size)
+    if device.type == "cuda":
+        return CudaVmmArena(size, device)
+    raise ValueError(f"no arena transport for device {device}")
+
+
+def attach_arena(transport: str, fd: int, size: int, device: torch.device) -> Arena:
+    """Map an exported arena read-only in this process (the fd may be closed afterwards)."""
+    if transport == MEMFD and device.type == "cpu":
+        return MappedMemfd(fd, size)
+    if transport == CUDA_VMM and device.type == "cuda":
+        return ImportedVmm(fd, size, device)
+    raise ValueError(f"cannot map a {transport} arena on device {device}")
+
+
+class WritableArena(Arena, Protocol):
+    def fill(self, entries: list[TensorEntry], tensors: dict[str, torch.Tensor]) -> None: ...
+
+    def seal(self) -> None: ...
+
+
+# -- CPU: sealed memfd -----------------------------------------------------------------------
+
+
+class MemfdArena:
+    transport = MEMFD
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.fd = os.memfd_create("warmgate-arena", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.ftruncate(self.fd, size)
+        self._readonly: MappedMemfd | None = None
+
+    def fill(self, entries: list[TensorEntry], tensors: dict[str, torch.Tensor]) -> None:
+        with mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE) as mm:
+            # The temporary buffer tensor is gone when copy_into returns: a mapping cannot close while exported.
+            copy_into(torch.frombuffer(mm, dtype=torch.uint8), entries, tensors)
+
+    def seal(self) -> None:
+        """No more writes, by anyone: F_SEAL_WRITE refuses every future writable mapping."""
+        seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
+        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, seals)
+        self._readonly = MappedMemfd(self.fd, self.size)
+
+    def buffer(self) -> torch.Tensor:
+        if self._readonly is None:
+            raise RuntimeError("the arena is not sealed yet")
+        return self._readonly.buffer()
+
+    def export_fd(self) -> int:
+        return os.dup(self.fd)
+
+
+class MappedMemfd:
+    transport = MEMFD
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.size = size
+        self._mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable": that is the point
+            self._buf = torch.frombuffer(self._mm, dtype=torch.uint8)
+
+    def buffer(self) -> torch.Tensor:
+        return self._buf
+
+    def export_fd(self) -> int:
+        raise RuntimeError("a mapped arena is not re-exported")
+
+
+# -- CUDA: VMM allocation exported as a POSIX fd -------------------------------------------
+
+
+def _driver() -> Any:
+    try:
+        from cuda.bindings import driver
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise RuntimeError("CUDA arenas need NVIDIA's cuda-bindings package (pip install cuda-bindings)") from exc
+    return driver
+
+
+def _check(result: Any) -> Any:
+    """cuda-bindings returns (error, *values): raise on error, return the value(s)."""
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if int(err) != 0:
+        raise RuntimeError(f"CUDA driver call failed: {err}")
+    return values[0] if len(values) == 1 else values
+
+
+def _alloc_prop(cu: Any, device: torch.device) -> Any:
+    prop = cu.CUmemAllocationProp()
+    prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = device.index or 0
+    prop.requestedHandleTypes = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    return prop
+
+
+def _map(cu: Any, handle: Any, size: int, device: torch.device, writable: bool) -> int:
+    ptr = _check(cu.cuMemAddressReserve(size, 0, 0, 0))
+    _check(cu.cuMemMap(ptr, size, 0, handle, 0))
+    access = cu.CUmemAccessDesc()
+    access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    access.location.id = device.index or 0
+    flags = cu.CUmemAccess_flags
+    access.flags = flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE if writable else flags.CU_MEM_ACCESS_FLAGS_PROT_READ
+    _check(cu.cuMemSetAccess(ptr, size, [access], 1))
+    return int(ptr)
+
+
+class _CudaArrayInterface:
+    """Lets torch wrap a raw device pointer; the read-only flag must be False for torch to accept it
+    (the protection is the driver mapping, not this flag)."""
+
+    def __init__(self, ptr: int, size: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (ptr, False), "version": 3}
+
+
+class CudaVmmArena:
+    transport = CUDA_VMM
+
+    def __init__(self, size: int, device: torch.device) -> None:
+        cu = _driver()
+        torch.zeros(1, device=device)  # the primary context must exist before driver calls
+        prop = _alloc_prop(cu, device)
+        granularity = _check(
+            cu.cuMemGetAllocationGranularity(prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)
+        )
+        self.size = -(-size // int(granularity)) * int(granularity)
+        self.device = device
+        self._handle = _check(cu.cuMemCreate(self.size, prop, 0))
+        self._ptr = _map(cu, self._handle, self.size, device, writable=True)
+        self._buf = torch.as_tensor(_CudaArrayInterface(self._ptr, self.size), device=device)
+
+    def fill(self, entries: list[TensorEntry], tensors: dict[str, torch.Tensor]) -> None:
+        copy_into(self._buf, entries, tensors)
+        torch.cuda.synchronize(self.device)
+
+    def seal(self) -> None:
+        """Nothing to seal on the device: importers map the allocation with read-only access."""
+
+    def buffer(self) -> torch.Tensor:
+        return self._buf
+
+    def export_fd(self) -> int:
+        cu = _driver()
+        kind = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        return int(_check(cu.cuMemExportToShareableHandle(self._handle, kind, 0)))
+
+
+class ImportedVmm:
+    transport = CUDA_VMM
+
+    def __init__(self, fd: int, size: int, device: torch.device) -> None:
+        cu = _driver()
+        kind = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        self.size = size
+        self._handle = _check(cu.cuMemImportFromShareableHandle(fd, kind))
+        self._ptr = _map(cu, self._handle, size, device, writable=False)
+        self._buf = torch.as_tensor(_CudaArrayInterface(self._ptr, size), device=device)
+
+    def buffer(self) -> torch.Tensor:
+        return self._buf
+
+    def export_fd(self) -> int:
+        raise RuntimeError("an imported arena is not re-exported")

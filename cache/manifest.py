@@ -1,0 +1,115 @@
+"""What the cache holds, and under which key: the manifest an engine receives when it attaches.
+
+The cache key names exactly what was cached: the checkpoint's identity (config.json, every
+safetensors header, file sizes and modification times), the processing recipe (per-layer
+scheme and the kernel ``select_kernel`` picks for the device, compute dtype, device kind)
+and warmgate's layout version. The cache process and the engine compute it with the same
+function from the checkpoint's metadata alone, so an engine can tell whether the cached
+weights are the ones it would have produced itself without reading any tensor data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from cache.arena import TensorEntry
+from cache.checkpoint.reader import Checkpoint
+from cache.checkpoint.schemes import WeightKind
+from cache.processing import LAYOUT_VERSION, MERGES, LinearRecipe, select_kernel
+
+WEIGHT_LAYOUT = "NK"  # weights stay [out, in] (block FP8 untransposed); scales as compressed-tensors stores them
+
+
+def cache_key(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> str:
+    """sha256 over checkpoint identity + processing recipe + layout version (hex, 64 chars)."""
+    h = hashlib.sha256()
+
+    def add(label: str, value: Any) -> None:
+        h.update(f"{label}={json.dumps(value, sort_keys=True, default=str)}\n".encode())
+
+    add("layout_version", LAYOUT_VERSION)
+    add("merges", MERGES)
+    add("config", ckpt.config)
+    for f in ckpt.files:
+        stat = f.path.stat()
+        add("file", [f.path.name, f.size, stat.st_mtime_ns])
+        h.update(hashlib.sha256(f.header).digest())
+    add("device", device.type)
+    add("dtype", str(dtype))
+    add("recipe", {m: [s.weight.value, s.activations.value, select_kernel(s, device)] for m, s in ckpt.schemes.items()})
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class ArenaInfo:
+    index: int
+    size: int
+    transport: str  # arena.MEMFD or arena.CUDA_VMM
+
+
+@dataclass(frozen=True)
+class Manifest:
+    key: str
+    layout_version: int
+    model: str  # the checkpoint directory the cache loaded
+    device: str  # "cpu", "cuda:0"
+    dtype: str  # compute dtype of unquantized tensors, e.g. "bfloat16"
+    config: dict[str, Any]  # the checkpoint's config.json
+    arenas: list[ArenaInfo]
+    tensors: list[TensorEntry]
+    layers: dict[str, dict[str, Any]]  # Linear module -> recipe + block size + weight layout
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.size for a in self.arenas)
+
+    def recipes(self) -> dict[str, LinearRecipe]:
+        """The per-layer recipes, checked against what this warmgate understands."""
+        out = {}
+        for module, layer in self.layers.items():
+            if layer.get("weight_layout") != WEIGHT_LAYOUT:
+                raise ValueError(f"{module}: weight layout {layer.get('weight_layout')!r}, expected {WEIGHT_LAYOUT}")
+            block = layer.get("block_size")
+            if layer["weight"] == WeightKind.FP8_BLOCK.value and block != [128, 128]:
+                raise ValueError(f"{module}: block size {block}, expected [128, 128]")
+            fields = {k: v for k, v in layer.items() if k not in ("block_size", "weight_layout", "input_scale")}
+            fields["parts"] = tuple(tuple(p) for p in fields.get("parts", ()))
+            out[module] = LinearRecipe(**fields)
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Manifest:
+        return cls(
+            key=data["key"],
+            layout_version=int(data["layout_version"]),
+            model=data["model"],
+            device=data["device"],
+            dtype=data["dtype"],
+            config=data["config"],
+            arenas=[ArenaInfo(**a) for a in data["arenas"]],
+            tensors=[_entry(t) for t in data["tensors"]],
+            layers=data["layers"],
+        )
+
+
+def _entry(t: dict[str, Any]) -> TensorEntry:
+    return TensorEntry(t["name"], int(t["arena"]), int(t["offset"]), t["dtype"], tuple(t["shape"]), tuple(t["stride"]))
+
+
+def layer_metadata(recipe: LinearRecipe, has_input_scale: bool) -> dict[str, Any]:
+    """What an engine must restore for one Linear layer, beyond its tensors."""
+    block = [128, 128] if recipe.weight == WeightKind.FP8_BLOCK.value else None
+    return {
+        **recipe.to_dict(),
+        "block_size": block,
+        "weight_layout": WEIGHT_LAYOUT,
+        "input_scale": "static" if has_input_scale else "dynamic" if recipe.activations != "none" else "none",
+    }

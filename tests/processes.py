@@ -1,0 +1,134 @@
+"""Real warmgate processes for tests: engine workers and cache processes on real Unix sockets."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from cache.client import CacheClient, CacheUnavailable
+
+REPO = Path(__file__).resolve().parents[1]
+START_DEADLINE = 120.0  # seconds; start-up takes a few seconds here, a cold page cache more
+MAX_MODEL_LEN = 1024  # small KV cache: a faster start, and a prompt that is too long stays cheap to build
+
+
+@dataclass
+class Process:
+    proc: subprocess.Popen[bytes]
+    socket: Path
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def exit_code(self, timeout: float) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class Worker(Process):
+    def client(self) -> httpx.AsyncClient:
+        transport = httpx.AsyncHTTPTransport(uds=str(self.socket))
+        return httpx.AsyncClient(transport=transport, base_url="http://engine", timeout=60)
+
+    def sync_client(self) -> httpx.Client:
+        return httpx.Client(transport=httpx.HTTPTransport(uds=str(self.socket)), base_url="http://engine", timeout=60)
+
+
+def _spawn(args: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+    with log_path.open("wb") as log:
+        cmd = [sys.executable, "-m", "app.cli", *args]
+        return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _wait(process: Process, ready: Any, what: str) -> None:
+    """Poll ``ready()`` until it is true; fail if the process dies or the deadline passes."""
+    deadline = time.monotonic() + START_DEADLINE
+    while time.monotonic() < deadline:
+        if process.socket.exists() and ready():
+            return
+        try:  # doubles as the poll interval: returns at once if the process died
+            code = process.proc.wait(timeout=0.1)
+        except subprocess.TimeoutExpired:
+            continue
+        pytest.fail(f"{what} exited with {code} during start-up:\n{process.log()}")
+    process.stop()
+    pytest.fail(f"{what} not ready after {START_DEADLINE}s:\n{process.log()}")
+
+
+def start_worker(directory: Path, model: Path, name: str = "engine", **config: Any) -> Worker:
+    """Start `warmgate engine` and wait until /health answers."""
+    sock = directory / f"{name}.sock"
+    settings = {"model": str(model), "max_num_seqs": 8, "max_model_len": MAX_MODEL_LEN, **config}
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in settings.items()}
+    proc = _spawn(["engine", "--socket", str(sock), "--config", json.dumps(settings)], directory / f"{name}.log")
+    worker = Worker(proc, sock, directory / f"{name}.log")
+
+    def healthy() -> bool:
+        try:
+            with worker.sync_client() as client:
+                return client.get("/health").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    _wait(worker, healthy, "engine worker")
+    return worker
+
+
+def start_cache(directory: Path, model: Path, device: str = "cpu") -> Process:
+    """Start `warmgate cache` (socket in a private run dir under ``directory``) and wait until it answers."""
+    sock = directory / "run" / "cache.sock"
+    log_path = directory / "cache.log"
+    cache = Process(_spawn(["cache", "--model", str(model), "--socket", str(sock), "--device", device], log_path),
+                    sock, log_path)  # fmt: skip
+
+    def answers() -> bool:
+        try:
+            CacheClient(sock).close()
+            return True
+        except CacheUnavailable:
+            return False
+
+    _wait(cache, answers, "cache process")
+    return cache
+
+
+def proc_status(pid: int) -> dict[str, int]:
+    """Memory counters of a process, in bytes: RssAnon (private), RssShmem (shared memory it maps), ..."""
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if value.strip().endswith("kB"):
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def memfd_arenas(pid: int) -> set[int]:
+    """Inodes of the cache arenas (memfds named warmgate-arena) a process has mapped."""
+    inodes = set()
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        fields = line.split()
+        if len(fields) >= 6 and "memfd:warmgate-arena" in fields[5]:
+            inodes.add(int(fields[4]))
+    return inodes
