@@ -77,7 +77,11 @@ def error_reply(kind: str, message: str) -> dict[str, Any]:
 
 
 def send_message(sock: socket.socket, message: dict[str, Any], fds: list[int] | None = None) -> None:
-    body = json.dumps(message, separators=(",", ":")).encode()
+    send_json(sock, json.dumps(message, separators=(",", ":")).encode(), fds)
+
+
+def send_json(sock: socket.socket, body: bytes, fds: list[int] | None = None) -> None:
+    """Send an already-encoded JSON object (the cache pre-encodes its manifest once)."""
     frame = _HEADER.pack(len(body)) + body
     if fds:
         sent = socket.send_fds(sock, [frame], fds)

@@ -92,6 +92,7 @@ class LLMEngine:
             loaded = source.load(self.device, self.dtype)
             self.weights: LoadedWeights = loaded  # holds the cache attachment (lease, mappings) while we live
             self.weight_source = loaded.source
+        with self._phase("model_init"):  # the skeleton: binds the weights, builds rotary tables
             self.args = ModelArgs.from_config(loaded.config)
             self.model = Transformer(self.args, loaded.weights)
         self.max_model_len = min(config.max_model_len or DEFAULT_MAX_MODEL_LEN, self.args.max_position_embeddings)

@@ -337,7 +337,7 @@ class HealthResponse(OpenAIModel):
     waiting: int
     in_flight: int
     weights: WeightsInfo
-    startup_phases: dict[str, float]  # seconds: device_init, weight_load, kv_alloc, warmup
+    startup_phases: dict[str, float]  # seconds: device_init, weight_load, model_init, kv_alloc, warmup
 
 
 class DrainRequest(OpenAIModel):

@@ -117,7 +117,7 @@ def main(socket_path: str | Path, config_source: str, drain_timeout: float = DEF
     log_event("startup", phase="tokenizer", seconds=time.perf_counter() - t)
 
     t = time.perf_counter()
-    engine = LLMEngine(config)  # logs its own phases: device_init, weight_load, kv_alloc, warmup
+    engine = LLMEngine(config)  # logs its own phases: device_init, weight_load, model_init, kv_alloc, warmup
     log_event("startup", phase="engine", seconds=time.perf_counter() - t, model=config.name, device=config.device)
 
     engine.start()

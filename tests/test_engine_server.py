@@ -78,7 +78,7 @@ def assert_openai_error(response: httpx.Response, status: int, *words: str) -> d
 
 def test_startup_phases_logged_and_socket_private(worker: Worker) -> None:
     log = worker.log()
-    for phase in ("import", "tokenizer", "device_init", "weight_load", "kv_alloc", "warmup"):
+    for phase in ("import", "tokenizer", "device_init", "weight_load", "model_init", "kv_alloc", "warmup"):
         assert f"event=startup phase={phase} seconds=" in log, log
     assert "event=ready" in log
     assert stat.S_IMODE(worker.socket.stat().st_mode) == 0o600
