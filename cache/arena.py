@@ -68,11 +68,16 @@ def plan_layout(tensors: dict[str, torch.Tensor]) -> tuple[list[TensorEntry], in
 
 
 def tensor_views(buffer: torch.Tensor, entries: list[TensorEntry]) -> dict[str, torch.Tensor]:
-    """Typed views into a uint8 arena buffer (no copies)."""
+    """Typed views into a uint8 arena buffer (no copies): one reinterpretation per dtype, then
+    one as_strided per tensor (an attach binds hundreds of them)."""
+    typed: dict[str, torch.Tensor] = {}
     out = {}
     for e in entries:
-        raw = buffer[e.offset : e.offset + e.nbytes]
-        out[e.name] = raw.view(dtype_of(e.dtype)).as_strided(e.shape, e.stride)
+        whole = typed.get(e.dtype)
+        if whole is None:
+            dtype = dtype_of(e.dtype)
+            whole = typed[e.dtype] = buffer[: buffer.numel() // dtype.itemsize * dtype.itemsize].view(dtype)
+        out[e.name] = whole.as_strided(e.shape, e.stride, e.offset // whole.element_size())
     return out
 
 
@@ -168,6 +173,12 @@ class MappedMemfd:
 
 
 # -- CUDA: VMM allocation exported as a POSIX fd -------------------------------------------
+
+
+def preload_transport(device: torch.device) -> None:
+    """Import the CUDA driver bindings now (engine start-up) rather than inside the first attach."""
+    if device.type == "cuda":
+        _driver()
 
 
 def _driver() -> Any:

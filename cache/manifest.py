@@ -13,13 +13,18 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from cache.arena import TensorEntry
+from cache.checkpoint.architecture import ModelLayout
+from cache.checkpoint.quant_config import parse_schemes
 from cache.checkpoint.reader import Checkpoint
-from cache.checkpoint.schemes import WeightKind
+from cache.checkpoint.schemes import LinearScheme, WeightKind
+from cache.checkpoint.tensor_index import FileInfo, read_raw_header, safetensors_files
+from cache.errors import CheckpointError
 from cache.processing import LAYOUT_VERSION, MERGES, LinearRecipe, select_kernel
 
 WEIGHT_LAYOUT = "NK"  # weights stay [out, in] (block FP8 untransposed); scales as compressed-tensors stores them
@@ -27,6 +32,23 @@ WEIGHT_LAYOUT = "NK"  # weights stay [out, in] (block FP8 untransposed); scales 
 
 def cache_key(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> str:
     """sha256 over checkpoint identity + processing recipe + layout version (hex, 64 chars)."""
+    return _key(ckpt.config, ckpt.files, ckpt.schemes, device, dtype)
+
+
+def expected_key(path: Path, device: torch.device, dtype: torch.dtype) -> str:
+    """The same key from metadata alone (config.json, raw safetensors headers, file stats): what an
+    engine computes before attaching, in a few milliseconds, without validating or reading tensors."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read config.json: {exc}", path=str(path)) from None
+    schemes = parse_schemes(config.get("quantization_config"), ModelLayout.from_config(config).linears)
+    files = [read_raw_header(f) for f in safetensors_files(path)]
+    return _key(config, files, schemes, device, dtype)
+
+
+def _key(config: dict[str, Any], files: list[FileInfo], schemes: dict[str, LinearScheme], device: torch.device,
+         dtype: torch.dtype) -> str:  # fmt: skip
     h = hashlib.sha256()
 
     def add(label: str, value: Any) -> None:
@@ -34,14 +56,13 @@ def cache_key(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> str
 
     add("layout_version", LAYOUT_VERSION)
     add("merges", MERGES)
-    add("config", ckpt.config)
-    for f in ckpt.files:
-        stat = f.path.stat()
-        add("file", [f.path.name, f.size, stat.st_mtime_ns])
+    add("config", config)
+    for f in files:
+        add("file", [f.path.name, f.size, f.path.stat().st_mtime_ns])
         h.update(hashlib.sha256(f.header).digest())
     add("device", device.type)
     add("dtype", str(dtype))
-    add("recipe", {m: [s.weight.value, s.activations.value, select_kernel(s, device)] for m, s in ckpt.schemes.items()})
+    add("recipe", {m: [s.weight.value, s.activations.value, select_kernel(s, device)] for m, s in schemes.items()})
     return h.hexdigest()
 
 

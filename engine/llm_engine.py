@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from cache.arena import preload_transport
 from cache.processing import compute_dtype
 from engine.config import EngineConfig
 from engine.cuda_graphs import GraphedDecode
@@ -87,6 +88,8 @@ class LLMEngine:
                 torch.cuda.set_device(self.device)
                 torch.zeros(1, device=self.device)  # create the context now, not on the first request
             self.dtype = compute_dtype(self.device, config.dtype)
+            if config.weights != "disk":
+                preload_transport(self.device)  # the CUDA driver bindings: an import, not part of the attach
         with self._phase("weight_load"):
             source = source or weight_source(config.model, config.weights, config.cache_socket)
             loaded = source.load(self.device, self.dtype)

@@ -329,6 +329,7 @@ class WeightsInfo(OpenAIModel):
     lease: int | None = None
     fallbacks: int = 0  # 1 when ipc-or-disk loaded from disk instead of the cache
     fallback_reason: str | None = None
+    attach_phases: dict[str, float] = Field(default_factory=dict)  # seconds: key, connect, attach, map, bind
 
 
 class HealthResponse(OpenAIModel):

@@ -452,6 +452,7 @@ def create_app(engine: LLMEngine, tokenizer: ChatTokenizer) -> FastAPI:
         lease=loaded.attachment.lease if loaded.attachment else None,
         fallbacks=int(loaded.fallback_reason is not None),
         fallback_reason=loaded.fallback_reason,
+        attach_phases=loaded.phases,
     )
 
     @app.get("/health")

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -19,7 +20,7 @@ from cache.arena import Arena, attach_arena, dtype_of, tensor_views
 from cache.checkpoint.reader import read_checkpoint
 from cache.client import CacheClient, CacheRefused, CacheUnavailable
 from cache.events import log_event
-from cache.manifest import Manifest, cache_key
+from cache.manifest import Manifest, expected_key
 from cache.processing import ProcessedWeights, process_checkpoint
 
 log = logging.getLogger("warmgate.engine.weights")
@@ -47,6 +48,7 @@ class LoadedWeights:
     key: str | None = None  # the cache key (ipc)
     attachment: Attachment | None = None
     fallback_reason: str | None = None  # ipc-or-disk: why the cache was not used
+    phases: dict[str, float] = field(default_factory=dict)  # attach: key, connect, attach, map, bind (seconds)
 
 
 class WeightSource(Protocol):
@@ -77,8 +79,11 @@ class CachedWeights:
         self.name = name or f"engine-{os.getpid()}"
 
     def load(self, device: torch.device, dtype: torch.dtype) -> LoadedWeights:
-        expected = cache_key(read_checkpoint(self.path, check_values=False), device, dtype)
+        clock = _Clock()
+        expected = expected_key(self.path, device, dtype)
+        clock.lap("key")
         client = CacheClient(self.socket_path, name=self.name)
+        clock.lap("connect")
         try:
             if client.hello["key"] != expected:
                 raise WeightKeyMismatch(
@@ -87,6 +92,7 @@ class CachedWeights:
                     f"{self.path} processed for {device} {dtype} (key {expected[:12]})"
                 )
             lease, manifest, fds = client.attach(self.name)
+            clock.lap("attach")
             try:
                 if manifest.device != str(device):
                     raise WeightKeyMismatch(f"the cache holds weights on {manifest.device}, the engine is on {device}")
@@ -95,15 +101,32 @@ class CachedWeights:
             finally:
                 for fd in fds:
                     os.close(fd)
+            clock.lap("map")
             tensors: dict[str, torch.Tensor] = {}
             for index, arena in enumerate(arenas):
                 tensors.update(tensor_views(arena.buffer(), [e for e in manifest.tensors if e.arena == index]))
             weights = ProcessedWeights(tensors, manifest.recipes(), dtype_of(manifest.dtype), device)
+            clock.lap("bind")
         except BaseException:
             client.close()
             raise
         attachment = Attachment(client, lease, arenas, manifest)
-        return LoadedWeights(manifest.config, weights, "ipc", key=manifest.key, attachment=attachment)
+        log_event(log, "attach", lease=lease, bytes=manifest.nbytes, **clock.laps)
+        return LoadedWeights(manifest.config, weights, "ipc", key=manifest.key, attachment=attachment,
+                             phases=clock.laps)  # fmt: skip
+
+
+class _Clock:
+    """Seconds between successive laps, by name."""
+
+    def __init__(self) -> None:
+        self.laps: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name] = now - self._last
+        self._last = now
 
 
 class CachedOrDiskWeights:

@@ -32,7 +32,7 @@ from cache.arena import attach_arena, tensor_views
 from cache.checkpoint.reader import read_checkpoint
 from cache.checkpoint.synth import synth_checkpoint
 from cache.client import CacheClient, CacheRefused, CacheUnavailable
-from cache.manifest import cache_key
+from cache.manifest import cache_key, expected_key
 from cache.processing import FP8_DEQUANT, process_checkpoint
 
 PROMPTS = ["The capital of France is", "Write a haiku about the sea."]
@@ -77,7 +77,7 @@ def test_four_paths_give_identical_outputs_from_one_copy(scheme: str, demo_path,
         outputs = {"disk": generate(disk)}
         disk_anon = proc_status(disk.pid)["RssAnon"]
         assert health(disk)["weights"] == {"source": "disk", "key": None, "lease": None, "fallbacks": 0,
-                                           "fallback_reason": None}  # fmt: skip
+                                           "fallback_reason": None, "attach_phases": {}}  # fmt: skip
         disk.stop()
 
         # ipc-or-disk with no cache process: loads from disk, and says why.
@@ -150,6 +150,7 @@ def test_attached_tensors_and_layer_metadata_match_processing(demo_path, tmp_pat
             ckpt = read_checkpoint(model)
             expected = process_checkpoint(ckpt, torch.device("cpu"), torch.float32)
             assert manifest.key == cache_key(ckpt, torch.device("cpu"), torch.float32)
+            assert manifest.key == expected_key(model, torch.device("cpu"), torch.float32)  # metadata alone
             assert set(views) == set(expected.tensors)
             for name, tensor in expected.tensors.items():
                 assert torch.equal(views[name], tensor), name

@@ -56,8 +56,8 @@ def safetensors_files(ckpt: Path) -> list[Path]:
     return files
 
 
-def read_header(path: Path) -> tuple[FileInfo, list[TensorInfo]]:
-    """Parse one safetensors header and check every tensor's bytes lie inside the file."""
+def read_raw_header(path: Path) -> FileInfo:
+    """One safetensors file's size and header bytes, unparsed (enough for the cache key)."""
     size = path.stat().st_size
     with path.open("rb") as f:
         raw_len = f.read(8)
@@ -67,6 +67,13 @@ def read_header(path: Path) -> tuple[FileInfo, list[TensorInfo]]:
         if header_len > min(MAX_HEADER_BYTES, size - 8):
             raise CorruptCheckpoint(f"header length {header_len} exceeds the file", path=str(path))
         header = f.read(header_len)
+    return FileInfo(path, size, header)
+
+
+def read_header(path: Path) -> tuple[FileInfo, list[TensorInfo]]:
+    """Parse one safetensors header and check every tensor's bytes lie inside the file."""
+    info = read_raw_header(path)
+    size, header, header_len = info.size, info.header, len(info.header)
     try:
         meta = json.loads(header)
         if not isinstance(meta, dict):
@@ -96,7 +103,7 @@ def read_header(path: Path) -> tuple[FileInfo, list[TensorInfo]]:
                 path=str(path),
             )
         tensors.append(TensorInfo(name, path, dtype, shape, (begin, end)))
-    return FileInfo(path, size, header), tensors
+    return info, tensors
 
 
 def index_tensors(ckpt: Path) -> tuple[list[FileInfo], dict[str, TensorInfo]]:
