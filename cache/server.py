@@ -100,6 +100,7 @@ class CacheServer:
             if peer.uid != os.getuid():
                 events.log_event(log, "refused", peer_pid=peer.pid, peer_uid=peer.uid, reason="uid")
                 send_message(conn, error_reply("PeerRefused", f"uid {peer.uid} may not use this cache"))
+                _lingering_close(conn)  # let the peer read why, rather than fail on a reset
                 return
             while True:
                 try:

@@ -94,6 +94,11 @@ def main(socket_path: str | Path, config_source: str, drain_timeout: float = DEF
     events.configure_logging()
     socket_path = Path(socket_path)
     log_event("startup", phase="begin", socket=socket_path, pid=os.getpid())
+    # A stop asked for while we load (a supervisor giving up on a slow start) ends the start-up
+    # cleanly once the current phase is done; the asyncio loop takes the signals over when serving.
+    stop_requested: list[str] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: stop_requested.append(signal.Signals(signum).name))
 
     from cache.uds import bind_unix_socket
     from engine.config import EngineConfig
@@ -120,6 +125,9 @@ def main(socket_path: str | Path, config_source: str, drain_timeout: float = DEF
     engine = LLMEngine(config)  # logs its own phases: device_init, weight_load, model_init, kv_alloc, warmup
     log_event("startup", phase="engine", seconds=time.perf_counter() - t, model=config.name, device=config.device)
 
+    if stop_requested:
+        log_event("exit", reason=f"{stop_requested[0]} during start-up", seconds=time.perf_counter() - started)
+        return 0
     engine.start()
     try:
         app = create_app(engine, tokenizer)

@@ -359,3 +359,22 @@ def test_bind_replaces_a_stale_socket_but_not_a_live_one_or_a_file(tmp_path: Pat
     with pytest.raises(FileExistsError, match="not a socket"):
         bind_unix_socket(regular)
     assert regular.read_text() == "keep me"
+
+
+def test_sigterm_during_start_up_exits_cleanly(model: Path, tmp_path: Path) -> None:
+    """A supervisor that gives up on a starting engine gets a clean exit (0), not a kill by signal."""
+    import subprocess
+    import sys
+
+    from processes import REPO
+
+    sock = tmp_path / "engine.sock"
+    config = json.dumps({"model": str(model), "max_num_seqs": 2, "max_model_len": 256})
+    cmd = [sys.executable, "-m", "app.cli", "engine", "--socket", str(sock), "--config", config]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    time.sleep(1.0)  # inside the imports or the model load
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    assert "event=exit reason=" in out and "during start-up" in out, out
+    assert not sock.exists()

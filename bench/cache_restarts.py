@@ -1,4 +1,4 @@
-"""The cache process on the GPU (run on the H200 through the device tool), with real processes.
+"""The cache process with real processes, on the GPU (the H200, through the device tool) or the CPU.
 
 * ``four-path``: the demo checkpoint (fp8-block) on CUDA: disk load -> ipc-or-disk with no
   cache (falls back) -> ipc attach in a fresh engine -> a second ipc attach in another fresh
@@ -7,8 +7,12 @@
   disk-loaded engine for comparison, then N engine restarts (fresh worker processes, weights
   attached): attach time, time to ready, device memory while each engine runs, outputs.
 
-    python bench/gpu_cache.py --out $OUT restarts --model /path/llama3-8b-fp8-block --restarts 10
-    python bench/gpu_cache.py --out $OUT four-path --model /path/smollm2-135m-instruct-fp8-block
+    python bench/cache_restarts.py --out $OUT restarts --model /path/llama3-8b-fp8-block --restarts 10
+    python bench/cache_restarts.py --out $OUT four-path --model /path/smollm2-135m-instruct-fp8-block
+    python bench/cache_restarts.py --device cpu --out bench/results restarts --model DEMO --restarts 5
+
+Memory: on CUDA, the growth of the device's used memory while a process starts (NVML); on
+CPU, the process's private memory (RssAnon) and the shared memory it maps (RssShmem).
 """
 
 from __future__ import annotations
@@ -23,15 +27,17 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from processes import Process, Worker, start_cache, start_worker
+from processes import Process, Worker, proc_status, start_cache, start_worker
 
 from cache.client import CacheClient
 
 PROMPTS = ["The capital of France is", "Write a haiku about the sea."]
-ENGINE = {"device": "cuda", "max_num_seqs": 4, "max_model_len": 1024}
+ENGINE: dict[str, Any] = {"device": "cuda", "max_num_seqs": 4, "max_model_len": 1024}
 
 
 def device_used_bytes() -> int:
+    if ENGINE["device"] == "cpu":
+        return 0
     import pynvml
 
     pynvml.nvmlInit()
@@ -69,6 +75,9 @@ def engine_run(directory: Path, model: Path, name: str, **config: Any) -> tuple[
         "device_used_growth_bytes": device_used_bytes() - used_before,
         "outputs": generate(worker),
     }
+    if ENGINE["device"] == "cpu":
+        status = proc_status(worker.pid)
+        row["rss_anon_bytes"], row["rss_shmem_bytes"] = status["RssAnon"], status["RssShmem"]
     print(json.dumps({k: v for k, v in row.items() if k != "outputs"}), flush=True)
     return worker, row
 
@@ -87,7 +96,7 @@ def four_path(model: Path, work: Path) -> dict[str, Any]:
         rows.append(row)
         worker.stop()
         used = device_used_bytes()
-        cache = start_cache(work, model, device="cuda")
+        cache = start_cache(work, model, device=ENGINE["device"])
         with CacheClient(cache.socket) as client:
             stats, manifest = client.stats(), client.manifest()
         cache_row = {"bytes": stats["bytes"], "device_used_growth_bytes": device_used_bytes() - used,
@@ -120,7 +129,7 @@ def restarts(model: Path, work: Path, count: int) -> dict[str, Any]:
     worker.stop()
     used = device_used_bytes()
     t = time.perf_counter()
-    cache = start_cache(work, model, device="cuda")
+    cache = start_cache(work, model, device=ENGINE["device"])
     cache_ready_s = time.perf_counter() - t
     rows = []
     try:
@@ -158,7 +167,9 @@ def main() -> None:
     parser.add_argument("step", choices=("four-path", "restarts"))
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--restarts", type=int, default=10)
+    parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
+    ENGINE["device"] = args.device
     args.out.mkdir(parents=True, exist_ok=True)
     if args.step == "four-path":
         result = four_path(args.model, args.work / "four-path")
@@ -166,8 +177,9 @@ def main() -> None:
         result = restarts(args.model, args.work / "restarts", args.restarts)
     import torch
 
-    result["device"] = torch.cuda.get_device_name()
-    (args.out / f"gpu_cache_{args.step}.json").write_text(json.dumps(result, indent=2) + "\n")
+    result["device"] = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu (2 cores)"
+    prefix = "gpu" if args.device.startswith("cuda") else "cpu"
+    (args.out / f"{prefix}_cache_{args.step}.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k not in ("engines", "ipc_engines", "disk_engine")}, indent=1))
 
 
