@@ -58,6 +58,24 @@ def build_parser() -> argparse.ArgumentParser:
                        help="compute dtype the engines will use (auto: float32 on CPU, bfloat16 on CUDA)")  # fmt: skip
     cache.set_defaults(run=_cache)
 
+    serve = commands.add_parser("serve", help="run the OpenAI gateway: cache process, engines, HTTP API")
+    serve.add_argument("--model", type=Path, help="checkpoint directory (default: the demo, built if needed)")
+    serve.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (default 8000)")
+    serve.add_argument("--config", type=Path, help="TOML config file (WARMGATE_* environment variables override it)")
+    serve.add_argument("--run-dir", type=Path, help="sockets, logs and the admin token (mode 0700)")
+    serve.set_defaults(run=_serve)
+
+    for name, help_text in (("status", "show a running gateway's engines, cache and restarts"),
+                            ("restart", "restart the engines of a running gateway (on the cached weights)"),
+                            ("reload", "make a running gateway re-read its config file")):  # fmt: skip
+        admin = commands.add_parser(name, help=help_text)
+        admin.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway's address")
+        admin.add_argument("--run-dir", type=Path, help="where to find the admin token (or WARMGATE_ADMIN_TOKEN)")
+        if name == "restart":
+            admin.add_argument("--strategy", choices=("overlap", "replace"))
+        admin.set_defaults(run=_admin, admin_command=name)
+
     engine = commands.add_parser("engine", help="run an engine worker serving the OpenAI API on a Unix socket")
     engine.add_argument("--socket", type=Path, required=True, help="Unix socket path to serve on (mode 0600)")
     engine.add_argument("--config", required=True, help="engine config: a .json/.toml file or an inline JSON object")
@@ -103,6 +121,43 @@ def _check(args: argparse.Namespace) -> None:
     _print_check(args.path)
 
 
+def _serve(args: argparse.Namespace) -> None:
+    from app.serve import main as run_gateway
+
+    run_gateway(args.config, model=args.model, run_dir=args.run_dir, **{"gateway.host": args.host,
+                                                                       "gateway.port": args.port})  # fmt: skip
+
+
+def _admin(args: argparse.Namespace) -> None:
+    import json
+    import os
+
+    import httpx
+
+    from app.config import load_settings
+
+    token = os.environ.get("WARMGATE_ADMIN_TOKEN")
+    if not token:
+        run_dir = args.run_dir or load_settings(None).run_dir
+        try:
+            token = (run_dir / "admin-token").read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"no admin token: set WARMGATE_ADMIN_TOKEN or pass --run-dir ({exc.strerror})") from None
+    headers = {"authorization": f"Bearer {token}"}
+    url = args.url.rstrip("/")
+    try:
+        if args.admin_command == "status":
+            response = httpx.get(f"{url}/admin/status", headers=headers, timeout=30)
+        else:
+            body = {"strategy": args.strategy} if getattr(args, "strategy", None) else {}
+            response = httpx.post(f"{url}/admin/{args.admin_command}", json=body, headers=headers, timeout=None)
+    except httpx.TransportError as exc:
+        raise ConnectionError(f"no gateway at {url}: {exc}") from None
+    if response.status_code >= 400 and "error" in response.text:
+        raise ValueError(f"{response.status_code}: {response.json().get('error', {}).get('message', response.text)}")
+    print(json.dumps(response.json(), indent=2))
+
+
 def _cache(args: argparse.Namespace) -> None:
     from cache.server import main as run_cache
 
@@ -129,7 +184,7 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
     from engine.weights import WeightKeyMismatch
 
     return (CheckpointError, DemoSourceError, CacheUnavailable, CacheRefused, WeightKeyMismatch, FileExistsError,
-            FileNotFoundError, NotADirectoryError, PermissionError, ValueError)  # fmt: skip
+            FileNotFoundError, NotADirectoryError, PermissionError, ConnectionError, ValueError)  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:

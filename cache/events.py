@@ -23,3 +23,4 @@ def configure_logging() -> None:
             format="ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
             datefmt="%Y-%m-%dT%H:%M:%S",
         )
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per proxied request is noise

@@ -1,0 +1,118 @@
+"""Gateway settings: a TOML file, then WARMGATE_* environment variables over it, validated by pydantic.
+
+    [gateway]            host, port, api_keys, admin_token
+    [engine]             device, dtype, max_num_seqs, max_model_len, kv_cache_bytes, weights, ...
+    [restart]            strategy (overlap | replace), start_timeout, drain_timeout, queue_timeout, ...
+    model = "/path"      default: the demo checkpoint (fp8-block), built on first use
+
+Environment: ``WARMGATE_ADMIN_TOKEN``, ``WARMGATE_MODEL``, and nested fields with a double
+underscore, e.g. ``WARMGATE_ENGINE__MAX_NUM_SEQS=8``.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+
+class ConfigError(ValueError):
+    """The config file or the environment is invalid; the message is one readable line."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class GatewaySettings(_Section):
+    host: str = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, le=65535)] = 8000
+    api_keys: list[str] = []  # empty: no key needed
+    admin_token: str | None = None  # none: generated at start into the run dir (mode 0600)
+
+
+class EngineSettings(_Section):
+    """What each engine worker gets (engine/config.py), besides the model and the cache socket."""
+
+    device: str = "cpu"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_num_seqs: Annotated[int, Field(ge=1)] = 16
+    max_model_len: Annotated[int | None, Field(ge=16)] = None
+    kv_cache_bytes: Annotated[int | None, Field(ge=1)] = None
+    max_num_batched_tokens: Annotated[int, Field(ge=16)] = 2048
+    cuda_graphs: bool = True
+    default_max_tokens: Annotated[int, Field(ge=1)] = 256
+    weights: Literal["ipc", "ipc-or-disk", "disk"] = "ipc-or-disk"
+
+
+class RestartSettings(_Section):
+    strategy: Literal["overlap", "replace"] = "overlap"
+    start_timeout: Annotated[float, Field(gt=0)] = 300.0  # seconds for a new engine to answer its probe
+    drain_timeout: Annotated[float, Field(ge=0)] = 30.0  # seconds an old engine may finish in-flight requests
+    queue_timeout: Annotated[float, Field(gt=0)] = 60.0  # seconds a request waits for an engine before 503
+    max_queue: Annotated[int, Field(ge=1)] = 1024  # requests waiting for an engine before 503
+    crash_backoff: Annotated[float, Field(gt=0)] = 0.5  # first wait before restarting a crashed engine; doubles
+    crash_backoff_max: Annotated[float, Field(gt=0)] = 30.0
+    request_retries: Annotated[int, Field(ge=0)] = 2  # retries of a request that produced no output yet
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="WARMGATE_", env_nested_delimiter="__", extra="forbid")
+
+    model: Path | None = None  # none: the demo checkpoint (fp8-block)
+    served_model_name: str | None = None
+    run_dir: Path = Path("/tmp/warmgate")  # sockets, logs, admin token; 0700
+    cache_device: str | None = None  # where the cache keeps weights; default: the engines' device
+    gateway: GatewaySettings = GatewaySettings()
+    engine: EngineSettings = EngineSettings()
+    restart: RestartSettings = RestartSettings()
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return env_settings, init_settings  # the environment overrides the file
+
+    def engine_config(self, model: Path, cache_socket: Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The JSON config for one engine worker (engine/config.py's EngineConfig)."""
+        engine = self.engine.model_copy(update=overrides or {})
+        EngineSettings.model_validate(engine.model_dump())  # overrides are checked like the file
+        return {
+            **engine.model_dump(),
+            "model": str(model),
+            "served_model_name": self.served_model_name,
+            "cache_socket": str(cache_socket),
+        }
+
+
+def load_settings(path: Path | None, **overrides: Any) -> Settings:
+    """Settings from a TOML file (optional) with command-line overrides; ConfigError names what is wrong."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(path.read_text())
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    for key, value in overrides.items():
+        if value is not None:
+            section, _, field = key.partition(".")
+            if field:
+                data.setdefault(section, {})[field] = value
+            else:
+                data[key] = value
+    try:
+        return Settings(**data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ConfigError(f"{path or 'settings'}: {where}: {first['msg']}") from None

@@ -1,0 +1,324 @@
+"""The engine manager: spawns engine workers, promotes one to active, replaces it, restarts crashes.
+
+Explicit states, as in gunicorn's Arbiter:
+
+    starting -> ready -> active -> draining -> stopped
+        \\-> failed (did not start)      active -> failed (crashed) -> a replacement starts
+
+Strategies: ``overlap`` starts the new engine, switches once it answered a real 1-token probe,
+then drains and stops the old one; ``replace`` drains and stops the old one first, while
+requests wait in the gateway's queue. A new engine that fails to start is stopped and
+reported; the current engine keeps serving (overlap).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import signal
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from cache.events import log_event
+
+log = logging.getLogger("warmgate.gateway.engines")
+
+
+class EngineState(StrEnum):
+    STARTING = "starting"
+    READY = "ready"
+    ACTIVE = "active"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+class EngineStartError(RuntimeError):
+    """A new engine did not become ready; the message says why (with the end of its log)."""
+
+
+@dataclass
+class Engine:
+    id: int
+    socket: Path
+    log_path: Path
+    config: dict[str, Any]
+    process: asyncio.subprocess.Process
+    state: EngineState = EngineState.STARTING
+    started: float = field(default_factory=time.monotonic)
+    health: dict[str, Any] = field(default_factory=dict)
+    client: httpx.AsyncClient | None = None
+
+    def http(self) -> httpx.AsyncClient:
+        if self.client is None:
+            transport = httpx.AsyncHTTPTransport(uds=str(self.socket))
+            self.client = httpx.AsyncClient(transport=transport, base_url="http://engine", timeout=None)
+        return self.client
+
+    def describe(self) -> dict[str, Any]:
+        weights = self.health.get("weights", {})
+        return {
+            "id": self.id,
+            "state": self.state.value,
+            "pid": self.process.pid,
+            "socket": str(self.socket),
+            "uptime_s": round(time.monotonic() - self.started, 3),
+            "weight_source": weights.get("source"),
+            "settings": {k: v for k, v in self.config.items() if k not in ("model", "cache_socket")},
+        }
+
+
+@dataclass
+class RestartReport:
+    reason: str
+    strategy: str
+    ok: bool
+    engine: int | None = None
+    weight_source: str | None = None
+    phases: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+    at: float = field(default_factory=time.time)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "reason": self.reason,
+            "strategy": self.strategy,
+            "ok": self.ok,
+            "engine": self.engine,
+            "weight_source": self.weight_source,
+            "phases": {k: round(v, 4) for k, v in self.phases.items()},
+            "error": self.error,
+            "at": self.at,
+        }
+
+
+class EngineManager:
+    def __init__(self, run_dir: Path, start_timeout: float, drain_timeout: float, crash_backoff: float,
+                 crash_backoff_max: float, metrics: Any = None) -> None:  # fmt: skip
+        self.run_dir = run_dir
+        self.start_timeout = start_timeout
+        self.drain_timeout = drain_timeout
+        self.crash_backoff = crash_backoff
+        self.crash_backoff_max = crash_backoff_max
+        self.metrics = metrics
+        self.engines: dict[int, Engine] = {}
+        self.active: Engine | None = None
+        self.reports: deque[RestartReport] = deque(maxlen=20)
+        self._ids = itertools.count(1)
+        self._changed = asyncio.Condition()
+        self._restart_lock = asyncio.Lock()
+        self._watchers: set[asyncio.Task[None]] = set()
+        self._closing = False
+        self._config: dict[str, Any] = {}
+
+    # -- what the proxy uses ----------------------------------------------------------------
+
+    async def wait_active(self, timeout: float) -> Engine:
+        """The active engine, waiting up to ``timeout`` seconds while there is none (TimeoutError)."""
+        async with asyncio.timeout(timeout), self._changed:
+            while self.active is None or self.active.state is not EngineState.ACTIVE:
+                await self._changed.wait()
+            return self.active
+
+    async def engine_failed(self, engine: Engine) -> None:
+        """The proxy saw the engine's socket fail: check whether the process is gone."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(engine.process.wait()), 0.5)
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def start_first(self, config: dict[str, Any]) -> RestartReport:
+        return await self.restart(config, "overlap", reason="start")
+
+    async def restart(self, config: dict[str, Any] | None, strategy: str, reason: str) -> RestartReport:
+        """Replace the active engine by one with ``config`` (none: the current config)."""
+        async with self._restart_lock:
+            config = config or self._config
+            report = RestartReport(reason=reason, strategy=strategy, ok=False)
+            t0 = time.perf_counter()
+            old = self.active
+            try:
+                if strategy == "replace" and old is not None:
+                    await self._set_active(None)
+                    t = time.perf_counter()
+                    await self._drain_and_stop(old)
+                    report.phases["drain"] = time.perf_counter() - t
+                engine = await self._start(config, report)
+                t = time.perf_counter()
+                await self._set_active(engine)
+                report.phases["switch"] = time.perf_counter() - t
+                self._config = config
+                if strategy == "overlap" and old is not None:
+                    t = time.perf_counter()
+                    await self._drain_and_stop(old)
+                    report.phases["drain"] = time.perf_counter() - t
+                report.ok, report.engine = True, engine.id
+                report.weight_source = engine.health.get("weights", {}).get("source")
+            except EngineStartError as exc:
+                report.error = str(exc)
+                if strategy == "replace" and old is not None and self._config:
+                    self._schedule_recovery("replace failed")  # nothing serves now: bring back the last good config
+            report.phases["total"] = time.perf_counter() - t0
+            self.reports.append(report)
+            if self.metrics is not None:
+                self.metrics.restart_done(report)
+            log_event(log, "restart", reason=reason, strategy=strategy, ok=report.ok, engine=report.engine,
+                      weight_source=report.weight_source, error=report.error,
+                      **{f"{k}_s": v for k, v in report.phases.items()})  # fmt: skip
+            return report
+
+    async def close(self) -> None:
+        self._closing = True
+        for task in list(self._watchers):
+            task.cancel()
+        await asyncio.gather(*[self._stop(e) for e in list(self.engines.values())], return_exceptions=True)
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "active": self.active.id if self.active else None,
+            "engines": [e.describe() for e in self.engines.values()],
+            "restarts": [r.to_json() for r in self.reports],
+        }
+
+    # -- internals --------------------------------------------------------------------------
+
+    async def _set_active(self, engine: Engine | None) -> None:
+        async with self._changed:
+            if engine is not None:
+                engine.state = EngineState.ACTIVE
+            self.active = engine
+            self._changed.notify_all()
+        self._count_states()
+
+    async def _start(self, config: dict[str, Any], report: RestartReport) -> Engine:
+        engine_id = next(self._ids)
+        sock = self.run_dir / f"engine-{engine_id}.sock"
+        log_path = self.run_dir / f"engine-{engine_id}.log"
+        t = time.perf_counter()
+        with log_path.open("wb") as out:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "app.cli", "engine", "--socket", str(sock), "--config", json.dumps(config),
+                stdout=out, stderr=asyncio.subprocess.STDOUT,
+            )  # fmt: skip
+        engine = Engine(engine_id, sock, log_path, config, process)
+        self.engines[engine_id] = engine
+        self._count_states()
+        report.phases["spawn"] = time.perf_counter() - t
+        try:
+            t = time.perf_counter()
+            await asyncio.wait_for(self._until_healthy(engine), self.start_timeout)
+            report.phases["init"] = time.perf_counter() - t
+            for phase in ("weight_load", "model_init", "kv_alloc", "warmup"):
+                if phase in engine.health.get("startup_phases", {}):
+                    report.phases[phase] = engine.health["startup_phases"][phase]
+            t = time.perf_counter()
+            await asyncio.wait_for(self._probe(engine), self.start_timeout)
+            report.phases["probe"] = time.perf_counter() - t
+        except (TimeoutError, EngineStartError, httpx.HTTPError) as exc:
+            engine.state = EngineState.FAILED
+            await self._stop(engine, final=EngineState.FAILED)
+            why = "did not become ready in time" if isinstance(exc, TimeoutError) else str(exc)
+            raise EngineStartError(f"engine {engine_id} {why}; log: {_tail(log_path)}") from None
+        engine.state = EngineState.READY
+        task = asyncio.create_task(self._watch(engine))
+        self._watchers.add(task)
+        task.add_done_callback(self._watchers.discard)
+        return engine
+
+    async def _until_healthy(self, engine: Engine) -> None:
+        while True:
+            if engine.process.returncode is not None:
+                raise EngineStartError(f"exited with {engine.process.returncode} during start-up")
+            if engine.socket.exists():
+                try:
+                    response = await engine.http().get("/health", timeout=5)
+                    if response.status_code == 200:
+                        engine.health = response.json()
+                        return
+                except httpx.TransportError:
+                    pass
+            await asyncio.sleep(0.05)
+
+    async def _probe(self, engine: Engine) -> None:
+        """A real 1-token generation: the engine can serve, not merely answer /health."""
+        body = {"prompt": "Hello", "max_tokens": 1, "temperature": 0}
+        response = await engine.http().post("/v1/completions", json=body, timeout=self.start_timeout)
+        if response.status_code != 200:
+            raise EngineStartError(f"probe answered {response.status_code}: {response.text[:200]}")
+
+    async def _drain_and_stop(self, engine: Engine) -> None:
+        engine.state = EngineState.DRAINING
+        self._count_states()
+        with contextlib.suppress(httpx.HTTPError, TimeoutError):
+            await asyncio.wait_for(engine.http().post("/drain", json={"timeout": self.drain_timeout}),
+                                   self.drain_timeout + 5)  # fmt: skip
+        await self._stop(engine)
+
+    async def _stop(self, engine: Engine, final: EngineState = EngineState.STOPPED) -> None:
+        if engine.state is not EngineState.FAILED:
+            engine.state = EngineState.DRAINING if engine.process.returncode is None else engine.state
+        if engine.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                engine.process.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(engine.process.wait(), self.drain_timeout + 10)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    engine.process.kill()
+                await engine.process.wait()
+        if engine.client is not None:
+            await engine.client.aclose()
+        engine.state = final
+        self.engines.pop(engine.id, None)
+        self._count_states()
+
+    async def _watch(self, engine: Engine) -> None:
+        """Notice a crash at once (process exit) and start a replacement, with backoff."""
+        code = await engine.process.wait()
+        if self._closing or engine.state in (EngineState.DRAINING, EngineState.STOPPED, EngineState.FAILED):
+            return
+        was_active = self.active is engine
+        engine.state = EngineState.FAILED
+        self.engines.pop(engine.id, None)
+        log_event(log, "engine_crashed", engine=engine.id, pid=engine.process.pid, code=code, active=was_active)
+        if self.metrics is not None:
+            self.metrics.engine_crashed()
+        if was_active:
+            await self._set_active(None)
+            self._schedule_recovery("crash")
+
+    def _schedule_recovery(self, reason: str) -> None:
+        task = asyncio.create_task(self._recover(reason))
+        self._watchers.add(task)
+        task.add_done_callback(self._watchers.discard)
+
+    async def _recover(self, reason: str) -> None:
+        delay = self.crash_backoff
+        while not self._closing and self.active is None:
+            report = await self.restart(None, "replace", reason=reason)
+            if report.ok:
+                return
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.crash_backoff_max)
+
+    def _count_states(self) -> None:
+        if self.metrics is not None:
+            self.metrics.engine_states([e.state.value for e in self.engines.values()])
+
+
+def _tail(path: Path, lines: int = 3) -> str:
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return "(no log)"
+    return " | ".join(text[-lines:]) or "(empty)"

@@ -1,0 +1,193 @@
+"""`warmgate serve`: cache process + engine workers + the OpenAI gateway, until SIGTERM.
+
+SIGHUP (or POST /admin/reload) re-reads the config file: changed engine settings roll the
+engines over on the same cached weights; a changed model is loaded by a new cache process
+first, then the engines swap to it; an invalid file changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import signal
+import time
+from collections.abc import Generator
+from pathlib import Path
+from typing import Any
+
+from app.cache_process import CacheHandle, start_or_adopt
+from app.config import ConfigError, Settings, load_settings
+from app.engines import EngineManager
+from app.gateway import GatewayState, create_gateway
+from app.metrics import GatewayMetrics
+from cache import events
+from cache.uds import private_dir
+
+log = logging.getLogger("warmgate.gateway")
+TOKEN_FILE = "admin-token"
+
+
+class Supervisor:
+    """Owns the settings, the cache process and the engine manager; carries out restarts and reloads."""
+
+    def __init__(self, settings: Settings, config_path: Path | None, overrides: dict[str, Any], model: Path,
+                 cache: CacheHandle, manager: EngineManager, metrics: GatewayMetrics) -> None:  # fmt: skip
+        self.settings = settings
+        self.config_path = config_path
+        self.overrides = overrides
+        self.model = model
+        self.cache = cache
+        self.manager = manager
+        self.metrics = metrics
+        self.caches_started = 1
+
+    async def restart(self, body: dict[str, Any]) -> dict[str, Any]:
+        strategy = body.get("strategy", self.settings.restart.strategy)
+        if strategy not in ("overlap", "replace"):
+            raise ValueError(f"strategy {strategy!r} is not supported (supported: overlap, replace)")
+        overrides = body.get("engine") or {}
+        if not isinstance(overrides, dict):
+            raise ValueError("engine overrides must be an object of engine settings")
+        try:
+            config = self.settings.engine_config(self.model, self.cache.socket, overrides)
+        except Exception as exc:  # pydantic's ValidationError: an override the engine would refuse
+            raise ValueError(f"invalid engine override: {exc}".splitlines()[0]) from None
+        report = await self.manager.restart(config, strategy, reason="admin")
+        return report.to_json()
+
+    async def reload(self) -> dict[str, Any]:
+        try:
+            new = load_settings(self.config_path, **self.overrides)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+        new_model = new.model.resolve() if new.model else self.model
+        strategy = new.restart.strategy
+        if new_model != self.model:
+            old_cache = self.cache
+            self.caches_started += 1
+            socket = self.settings.run_dir / f"cache-{self.caches_started}.sock"
+            cache = await start_or_adopt(new_model, socket, new.cache_device or new.engine.device, new.engine.dtype,
+                                         self.settings.run_dir / "cache.log")  # fmt: skip
+            report = await self.manager.restart(new.engine_config(new_model, cache.socket), strategy, reason="reload")
+            if not report.ok:
+                await cache.stop()
+                return {"changed": "model", **report.to_json()}
+            self.cache, self.model = cache, new_model
+            await old_cache.stop()
+            self._apply(new)
+            return {"changed": "model", **report.to_json()}
+        if new.engine != self.settings.engine or new.served_model_name != self.settings.served_model_name:
+            report = await self.manager.restart(new.engine_config(self.model, self.cache.socket), strategy,
+                                                reason="reload")  # fmt: skip
+            if report.ok:
+                self._apply(new)
+            return {"changed": "engine", **report.to_json()}
+        self._apply(new)
+        return {"changed": None, "ok": True}
+
+    def _apply(self, new: Settings) -> None:
+        # Gateway host/port and the run dir take effect at the next start; the rest now.
+        self.settings = new.model_copy(update={"gateway": self.settings.gateway, "run_dir": self.settings.run_dir})
+
+    def status(self) -> dict[str, Any]:
+        try:
+            stats = self.cache.stats()
+            keep = ("key", "bytes", "leases", "attach_count", "pid")
+            cache = {**{k: stats[k] for k in keep}, "socket": str(self.cache.socket)}
+            self.metrics.cache_bytes.set(stats["bytes"])
+        except Exception as exc:  # the status page must answer even when the cache does not
+            cache = {"error": f"{type(exc).__name__}: {exc}", "socket": str(self.cache.socket)}
+        return {"model": str(self.model), "cache": cache, **self.manager.status()}
+
+
+def admin_token(settings: Settings) -> str:
+    """The configured token, or a new one written to the run dir (mode 0600) for the CLI to read."""
+    token = settings.gateway.admin_token or secrets.token_urlsafe(24)
+    path = settings.run_dir / TOKEN_FILE
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token
+
+
+def main(config_path: Path | None, **overrides: Any) -> int:
+    started = time.perf_counter()
+    events.configure_logging()
+    settings = load_settings(config_path, **overrides)
+    private_dir(settings.run_dir)
+    token = admin_token(settings)
+    model = settings.model
+    if model is None:
+        from cache.checkpoint.demo import build_demo
+
+        model = build_demo("fp8-block", progress=True)
+    asyncio.run(_serve(settings, config_path, overrides, model.resolve(), token, started))
+    return 0
+
+
+async def _serve(settings: Settings, config_path: Path | None, overrides: dict[str, Any], model: Path, token: str,
+                 started: float) -> None:  # fmt: skip
+    import uvicorn
+
+    metrics = GatewayMetrics()
+    run_dir = settings.run_dir
+    cache = await start_or_adopt(model, run_dir / "cache.sock", settings.cache_device or settings.engine.device,
+                                 settings.engine.dtype, run_dir / "cache.log")  # fmt: skip
+    r = settings.restart
+    manager = EngineManager(run_dir, r.start_timeout, r.drain_timeout, r.crash_backoff, r.crash_backoff_max, metrics)
+    supervisor = Supervisor(settings, config_path, overrides, model, cache, manager, metrics)
+    try:
+        report = await manager.start_first(settings.engine_config(model, cache.socket))
+        if not report.ok:
+            raise RuntimeError(f"the first engine did not start: {report.error}")
+        state = GatewayState(manager, metrics, settings.gateway.api_keys, token, r.queue_timeout, r.max_queue,
+                             r.request_retries, supervisor.restart, supervisor.reload, supervisor.status)  # fmt: skip
+        app = create_gateway(state)
+        config = uvicorn.Config(app, host=settings.gateway.host, port=settings.gateway.port, log_config=None,
+                                log_level="warning", access_log=False, lifespan="off")  # fmt: skip
+        server = _server_class()(config)
+        loop = asyncio.get_running_loop()
+        tasks: set[asyncio.Task[Any]] = set()
+
+        def on_stop() -> None:
+            server.should_exit = True
+
+        def on_hup() -> None:
+            task = loop.create_task(_reload_logged(supervisor))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+        loop.add_signal_handler(signal.SIGTERM, on_stop)
+        loop.add_signal_handler(signal.SIGINT, on_stop)
+        loop.add_signal_handler(signal.SIGHUP, on_hup)
+        events.log_event(log, "ready", url=f"http://{settings.gateway.host}:{settings.gateway.port}", model=model,
+                         run_dir=run_dir, seconds=time.perf_counter() - started)  # fmt: skip
+        await server.serve()
+    finally:
+        await manager.close()
+        await supervisor.cache.stop()
+        events.log_event(log, "exit", seconds=time.perf_counter() - started)
+
+
+async def _reload_logged(supervisor: Supervisor) -> None:
+    try:
+        report = await supervisor.reload()
+        events.log_event(log, "reload", signal="SIGHUP", changed=report.get("changed"), ok=report.get("ok"))
+    except ValueError as exc:
+        events.log_event(log, "reload_refused", signal="SIGHUP", reason=exc)
+
+
+def _server_class() -> Any:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn without its own signal handlers: the gateway stops engines and the cache first."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Generator[None, None, None]:
+            yield
+
+    return Server
