@@ -78,7 +78,7 @@ def create_gateway(state: GatewayState) -> FastAPI:
             state.waiting -= 1
             metrics.queued.set(state.waiting)
 
-    async def forward(path: str, body: bytes) -> tuple[httpx.Response, bytes | None]:
+    async def forward(path: str, body: bytes) -> tuple[httpx.Response, AsyncIterator[bytes] | None, bytes]:
         """Send to the active engine; returns the response and, for a stream, its first chunk."""
         engine = await acquire()
         client = engine.http()
@@ -96,12 +96,13 @@ def create_gateway(state: GatewayState) -> FastAPI:
             raise _Retry
         try:
             if upstream.headers.get("content-type", "").startswith("text/event-stream"):
-                first = await anext(upstream.aiter_raw(), b"")
+                chunks = upstream.aiter_raw()  # one iterator: a response's stream can be started only once
+                first = await anext(chunks, b"")
                 if not first:
                     raise httpx.RemoteProtocolError("empty stream")
-                return upstream, first
+                return upstream, chunks, first
             await upstream.aread()
-            return upstream, None
+            return upstream, None, b""
         except httpx.TransportError:  # died before any output reached the client
             await upstream.aclose()
             await state.manager.engine_failed(engine)
@@ -126,7 +127,7 @@ def create_gateway(state: GatewayState) -> FastAPI:
         try:
             while True:
                 try:
-                    upstream, first = await forward(path, body)
+                    upstream, chunks, first = await forward(path, body)
                     break
                 except _Retry:
                     attempt += 1
@@ -141,14 +142,14 @@ def create_gateway(state: GatewayState) -> FastAPI:
         finally:
             metrics.in_flight.dec()
         metrics.requests.labels(route, str(upstream.status_code)).inc()
-        if first is None:
+        if chunks is None:
             metrics.latency.labels(route).observe(time.perf_counter() - started)
             _count_usage(metrics, upstream.content)
             return Response(upstream.content, status_code=upstream.status_code,
                             media_type=upstream.headers.get("content-type"))  # fmt: skip
         metrics.ttft.labels(route).observe(time.perf_counter() - started)
-        return StreamingResponse(_relay(upstream, first, metrics, route, started), status_code=upstream.status_code,
-                                 media_type="text/event-stream")  # fmt: skip
+        return StreamingResponse(_relay(upstream, chunks, first, metrics, route, started),
+                                 status_code=upstream.status_code, media_type="text/event-stream")  # fmt: skip
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -232,11 +233,11 @@ class _Unavailable(Exception):
     """No engine to take the request (queue full, or none became active in time)."""
 
 
-async def _relay(upstream: httpx.Response, first: bytes, metrics: GatewayMetrics, route: str,
-                 started: float) -> AsyncIterator[bytes]:  # fmt: skip
+async def _relay(upstream: httpx.Response, chunks: AsyncIterator[bytes], first: bytes, metrics: GatewayMetrics,
+                 route: str, started: float) -> AsyncIterator[bytes]:  # fmt: skip
     try:
         yield first
-        async for chunk in upstream.aiter_raw():
+        async for chunk in chunks:
             yield chunk
     except httpx.TransportError:
         log.warning("event=stream_cut route=%s", route)

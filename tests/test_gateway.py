@@ -1,0 +1,298 @@
+"""`warmgate serve` end to end, with the official openai client, on the fp8-block demo (CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from processes import REPO
+
+START_DEADLINE = 180.0
+MODEL_NAME = "demo"
+
+
+@dataclass
+class Gateway:
+    proc: subprocess.Popen[bytes]
+    url: str
+    run_dir: Path
+    config: Path
+    log_path: Path
+
+    def token(self) -> str:
+        return (self.run_dir / "admin-token").read_text().strip()
+
+    def admin(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        headers = {"authorization": f"Bearer {self.token()}"}
+        return httpx.request(method, f"{self.url}{path}", headers=headers, timeout=300, **kwargs)
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", timeout=120, max_retries=0)
+
+    def active_pid(self) -> int:
+        status = self.admin("GET", "/admin/status").json()
+        return next(e["pid"] for e in status["engines"] if e["id"] == status["active"])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def write_config(path: Path, model: Path, max_num_seqs: int = 8) -> None:
+    path.write_text(
+        f'model = "{model}"\nserved_model_name = "{MODEL_NAME}"\n\n'
+        f"[engine]\nmax_num_seqs = {max_num_seqs}\nmax_model_len = 512\n\n"
+        '[restart]\nstrategy = "overlap"\ndrain_timeout = 30\nqueue_timeout = 120\n'
+    )
+
+
+@pytest.fixture(scope="module")
+def model(demo_path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A private copy of the fp8-block demo: one test overwrites its tensor data."""
+    copy = tmp_path_factory.mktemp("model") / "demo-fp8-block"
+    shutil.copytree(demo_path("fp8-block"), copy)
+    return copy
+
+
+@pytest.fixture(scope="module")
+def gateway(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    root = tmp_path_factory.mktemp("gateway")
+    config = root / "warmgate.toml"
+    write_config(config, model)
+    port = _free_port()
+    log_path = root / "serve.log"
+    cmd = [sys.executable, "-m", "app.cli", "serve", "--config", str(config), "--port", str(port),
+           "--run-dir", str(root / "run")]  # fmt: skip
+    with log_path.open("wb") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    gw = Gateway(proc, f"http://127.0.0.1:{port}", root / "run", config, log_path)
+    deadline = time.monotonic() + START_DEADLINE
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log_path.read_text()
+        try:
+            if httpx.get(f"{gw.url}/ready", timeout=30).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    else:
+        proc.kill()
+        pytest.fail(f"gateway not ready:\n{log_path.read_text()}")
+    yield gw
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 0, log_path.read_text()[-3000:]
+    assert not list((root / "run").glob("*.sock")), "sockets left behind"
+
+
+def test_openai_client_chat_completions_streaming_stops_and_errors(gateway: Gateway) -> None:
+    client = gateway.client()
+    assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "What is the capital of France?"}], temperature=0
+    )
+    answer = chat.choices[0].message.content or ""
+    assert "Paris" in answer and chat.choices[0].finish_reason == "stop"
+    assert chat.usage is not None and chat.usage.completion_tokens > 0
+    pieces = []
+    for chunk in client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "What is the capital of France?"}], temperature=0,
+        stream=True,
+    ):  # fmt: skip
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+    assert "".join(pieces) == answer
+
+    text = client.completions.create(model=MODEL_NAME, prompt="The capital of France is", max_tokens=5,
+                                     temperature=0)  # fmt: skip
+    assert text.choices[0].finish_reason == "length" and text.usage is not None and text.usage.completion_tokens == 5
+    chunks = client.completions.create(model=MODEL_NAME, prompt="The capital of France is", max_tokens=5,
+                                       temperature=0, stream=True)  # fmt: skip
+    streamed = "".join(c.choices[0].text for c in chunks)
+    assert streamed == text.choices[0].text
+
+    before = answer.split(" Paris")[0]
+    stopped = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "What is the capital of France?"}], temperature=0,
+        stop=[" Paris"],
+    )  # fmt: skip
+    assert stopped.choices[0].message.content == before and stopped.choices[0].finish_reason == "stop"
+
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=MODEL_NAME, messages=[], max_tokens=-1)
+    assert bad.value.status_code == 400 and bad.value.body and "message" in bad.value.body  # type: ignore[operator]
+    garbage = httpx.post(f"{gateway.url}/v1/completions", content=b"{not json", timeout=30)
+    assert garbage.status_code == 400 and set(garbage.json()["error"]) == {"message", "type", "param", "code"}
+
+    assert httpx.get(f"{gateway.url}/health").json() == {"status": "ok"}
+    assert httpx.post(f"{gateway.url}/admin/restart").status_code == 401
+    metrics = httpx.get(f"{gateway.url}/metrics").text
+    for name in ("warmgate:requests_total", "warmgate:engines", "warmgate:weight_loads_total",
+                 "warmgate:e2e_request_latency_seconds", "warmgate:time_to_first_token_seconds"):  # fmt: skip
+        assert name in metrics, name
+    assert 'warmgate:weight_loads_total{source="ipc"}' in metrics
+
+
+class Load:
+    """16 clients, half streaming, sending short completions until stopped; every outcome counted."""
+
+    def __init__(self, gateway: Gateway, clients: int = 16) -> None:
+        self.gateway = gateway
+        self.stop = threading.Event()
+        self.outcomes: Counter[str] = Counter()
+        self.errors: list[str] = []
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
+
+    def __enter__(self) -> Load:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=180)
+        assert not any(t.is_alive() for t in self.threads), "a client hung"
+
+    def _record(self, outcome: str, error: str | None = None) -> None:
+        with self.lock:
+            self.outcomes[outcome] += 1
+            if error:
+                self.errors.append(error)
+
+    def _run(self, i: int) -> None:
+        client = self.gateway.client()
+        stream = i % 2 == 1
+        while not self.stop.is_set():
+            try:
+                args = {"model": MODEL_NAME, "prompt": f"Count to {i}:", "max_tokens": 8, "temperature": 0,
+                        "extra_body": {"ignore_eos": True}}  # fmt: skip
+                if stream:
+                    chunks = list(client.completions.create(**args, stream=True))
+                    text = "".join(c.choices[0].text for c in chunks if c.choices)
+                    self._record("stream_ok" if text else "stream_empty")
+                else:
+                    r = client.completions.create(**args)
+                    self._record("ok" if r.usage and r.usage.completion_tokens == 8 else "short")
+            except openai.APIError as exc:
+                kind = "stream_error_event" if stream and "engine stopped" in str(exc) else "failed"
+                self._record(kind, f"{type(exc).__name__}: {exc}")
+
+    def snapshot(self) -> Counter[str]:
+        with self.lock:
+            return Counter(self.outcomes)
+
+
+def test_no_dropped_requests_across_restarts_reload_and_crashes(gateway: Gateway, model: Path) -> None:
+    # The checkpoint's tensor data is overwritten from here on (header, size and mtime kept): every
+    # engine from now must take its weights from the cache, or its answers would change.
+    reference = gateway.client().completions.create(model=MODEL_NAME, prompt="The capital of France is",
+                                                    max_tokens=8, temperature=0)  # fmt: skip
+    _scramble_tensor_data(model / "model.safetensors")
+
+    reports = []
+    with Load(gateway) as load:
+        time.sleep(2)
+        for i in range(10):
+            strategy = "overlap" if i % 2 == 0 else "replace"
+            response = gateway.admin("POST", "/admin/restart", json={"strategy": strategy})
+            assert response.status_code == 200, response.text
+            reports.append(response.json())
+        # A reload that changes an engine setting rolls the engines over on the same weights.
+        write_config(gateway.config, model, max_num_seqs=4)
+        reload = gateway.admin("POST", "/admin/reload")
+        assert reload.status_code == 200 and reload.json()["changed"] == "engine" and reload.json()["ok"], reload.text
+        time.sleep(1)
+        calm = load.snapshot()
+        assert calm["failed"] == 0 and calm["stream_error_event"] == 0, load.errors[:5]
+
+        # Three crashes of the active engine under the same load.
+        for _ in range(3):
+            victim = gateway.active_pid()
+            os.kill(victim, signal.SIGKILL)
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                status = gateway.admin("GET", "/admin/status").json()
+                if status["active"] is not None and gateway.active_pid() != victim:
+                    break
+                time.sleep(0.2)
+            else:
+                pytest.fail("no replacement engine after a crash")
+            time.sleep(1)
+    outcomes = load.snapshot()
+
+    assert all(r["ok"] and r["weight_source"] == "ipc" for r in reports), reports
+    assert {r["strategy"] for r in reports} == {"overlap", "replace"}
+    for report in reports:
+        for phase in ("spawn", "init", "weight_load", "warmup", "probe", "switch", "drain", "total"):
+            assert phase in report["phases"], (phase, report)
+    # Non-streaming requests never fail: not started -> retried on the replacement.
+    assert outcomes["failed"] == 0, load.errors[:5]
+    assert outcomes["ok"] > 0 and outcomes["stream_ok"] > 0 and outcomes["short"] == 0
+    # Streams cut by a crash end with an error event (counted here), never a hang (the threads joined).
+    assert outcomes["stream_error_event"] <= 3 * 8, outcomes
+    print(f"\nload outcomes: {dict(outcomes)}")
+
+    status = gateway.admin("GET", "/admin/status").json()
+    active = next(e for e in status["engines"] if e["id"] == status["active"])
+    assert active["settings"]["max_num_seqs"] == 4 and active["weight_source"] == "ipc"
+    restarts = status["restarts"]
+    assert [r["reason"] for r in restarts[-3:]] == ["crash"] * 3 and all(r["ok"] for r in restarts[-3:])
+    assert status["cache"]["attach_count"] >= 1 + 10 + 1 + 3
+    after = gateway.client().completions.create(model=MODEL_NAME, prompt="The capital of France is", max_tokens=8,
+                                                temperature=0)  # fmt: skip
+    assert after.choices[0].text == reference.choices[0].text  # the cache's weights, not the scrambled file
+    metrics = httpx.get(f"{gateway.url}/metrics").text
+    assert 'warmgate:engine_restarts_total{ok="true",reason="crash"} 3.0' in metrics
+    assert "warmgate:engine_crashes_total 3.0" in metrics
+
+    # An invalid config changes nothing; the engine keeps serving.
+    gateway.config.write_text("[engine]\nmax_num_seqs = 0\n")
+    refused = gateway.admin("POST", "/admin/reload")
+    assert refused.status_code == 400 and "max_num_seqs" in refused.json()["error"]["message"]
+    assert gateway.admin("GET", "/admin/status").json()["active"] == status["active"]
+    write_config(gateway.config, model, max_num_seqs=4)
+
+
+def _scramble_tensor_data(path: Path) -> None:
+    """Overwrite everything after the safetensors header, keeping size and mtime (the cache key's view)."""
+    stat = path.stat()
+    with path.open("r+b") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        f.seek(8 + header_len)
+        remaining = stat.st_size - 8 - header_len
+        block = b"\x7f" * (1 << 20)
+        while remaining > 0:
+            n = min(remaining, len(block))
+            f.write(block[:n])
+            remaining -= n
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+def test_status_cli_reads_the_token_from_the_run_dir(gateway: Gateway) -> None:
+    run = subprocess.run([sys.executable, "-m", "app.cli", "status", "--url", gateway.url, "--run-dir",
+                          str(gateway.run_dir)], cwd=REPO, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    status = json.loads(run.stdout)
+    assert status["active"] is not None and status["cache"]["bytes"] > 0
+    cmd = [sys.executable, "-m", "app.cli", "status", "--url", gateway.url, "--run-dir", "/nonexistent"]
+    env = {**os.environ, "WARMGATE_ADMIN_TOKEN": ""}
+    bad = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60, env=env)
+    assert bad.returncode == 2 and bad.stderr.startswith("warmgate: error: no admin token"), bad.stderr
