@@ -56,7 +56,7 @@ class RestartSettings(_Section):
     max_queue: Annotated[int, Field(ge=1)] = 1024  # requests waiting for an engine before 503
     crash_backoff: Annotated[float, Field(gt=0)] = 0.5  # first wait before restarting a crashed engine; doubles
     crash_backoff_max: Annotated[float, Field(gt=0)] = 30.0
-    request_retries: Annotated[int, Field(ge=0)] = 2  # retries of a request that produced no output yet
+    request_retries: Annotated[int, Field(ge=0)] = 3  # retries of a request that produced no output yet
 
 
 class Settings(BaseSettings):

@@ -126,9 +126,15 @@ class EngineManager:
     async def wait_active(self, timeout: float) -> Engine:
         """The active engine, waiting up to ``timeout`` seconds while there is none (TimeoutError)."""
         async with asyncio.timeout(timeout), self._changed:
-            while self.active is None or self.active.state is not EngineState.ACTIVE:
+            while not self._serving(self.active):
                 await self._changed.wait()
+            assert self.active is not None
             return self.active
+
+    @staticmethod
+    def _serving(engine: Engine | None) -> bool:
+        # An exited process may still be `active` for the moment until its watcher runs.
+        return engine is not None and engine.state is EngineState.ACTIVE and engine.process.returncode is None
 
     async def engine_failed(self, engine: Engine) -> None:
         """The proxy saw the engine's socket fail: check whether the process is gone."""
@@ -278,6 +284,7 @@ class EngineManager:
                 await engine.process.wait()
         if engine.client is not None:
             await engine.client.aclose()
+        engine.socket.unlink(missing_ok=True)
         engine.state = final
         self.engines.pop(engine.id, None)
         self._count_states()
@@ -289,12 +296,16 @@ class EngineManager:
             return
         was_active = self.active is engine
         engine.state = EngineState.FAILED
+        if was_active:
+            await self._set_active(None)
         self.engines.pop(engine.id, None)
+        engine.socket.unlink(missing_ok=True)  # a killed worker cannot remove it itself
         log_event(log, "engine_crashed", engine=engine.id, pid=engine.process.pid, code=code, active=was_active)
         if self.metrics is not None:
             self.metrics.engine_crashed()
+        if engine.client is not None:
+            await engine.client.aclose()
         if was_active:
-            await self._set_active(None)
             self._schedule_recovery("crash")
 
     def _schedule_recovery(self, reason: str) -> None:

@@ -44,9 +44,9 @@ class Gateway:
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", timeout=120, max_retries=0)
 
-    def active_pid(self) -> int:
+    def active_pid(self) -> int | None:
         status = self.admin("GET", "/admin/status").json()
-        return next(e["pid"] for e in status["engines"] if e["id"] == status["active"])
+        return next((e["pid"] for e in status["engines"] if e["id"] == status["active"]), None)
 
 
 def _free_port() -> int:
@@ -193,7 +193,7 @@ class Load:
                     self._record("ok" if r.usage and r.usage.completion_tokens == 8 else "short")
             except openai.APIError as exc:
                 kind = "stream_error_event" if stream and "engine stopped" in str(exc) else "failed"
-                self._record(kind, f"{type(exc).__name__}: {exc}")
+                self._record(kind, f"{kind} {'stream' if stream else 'plain'}: {type(exc).__name__}: {exc}")
 
     def snapshot(self) -> Counter[str]:
         with self.lock:
@@ -226,16 +226,16 @@ def test_no_dropped_requests_across_restarts_reload_and_crashes(gateway: Gateway
         # Three crashes of the active engine under the same load.
         for _ in range(3):
             victim = gateway.active_pid()
+            assert victim is not None
             os.kill(victim, signal.SIGKILL)
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:
-                status = gateway.admin("GET", "/admin/status").json()
-                if status["active"] is not None and gateway.active_pid() != victim:
+                if gateway.active_pid() not in (None, victim):
                     break
                 time.sleep(0.2)
             else:
                 pytest.fail("no replacement engine after a crash")
-            time.sleep(1)
+            time.sleep(3)  # the replacement serves for a while before the next crash
     outcomes = load.snapshot()
 
     assert all(r["ok"] and r["weight_source"] == "ipc" for r in reports), reports
@@ -244,7 +244,7 @@ def test_no_dropped_requests_across_restarts_reload_and_crashes(gateway: Gateway
         for phase in ("spawn", "init", "weight_load", "warmup", "probe", "switch", "drain", "total"):
             assert phase in report["phases"], (phase, report)
     # Non-streaming requests never fail: not started -> retried on the replacement.
-    assert outcomes["failed"] == 0, load.errors[:5]
+    assert outcomes["failed"] == 0, [e for e in load.errors if e.startswith("failed")][:5]
     assert outcomes["ok"] > 0 and outcomes["stream_ok"] > 0 and outcomes["short"] == 0
     # Streams cut by a crash end with an error event (counted here), never a hang (the threads joined).
     assert outcomes["stream_error_event"] <= 3 * 8, outcomes
