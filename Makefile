@@ -18,8 +18,9 @@ $(STAMP): pyproject.toml Makefile
 
 setup: $(STAMP)
 
+# The gateway on http://127.0.0.1:8000 with the demo model (built on first use, then reused).
 demo: setup
-	$(BIN)/warmgate model demo --scheme fp8-block
+	$(BIN)/warmgate serve
 
 lint: setup
 	$(BIN)/ruff check .
