@@ -105,7 +105,7 @@ class Supervisor:
 
 def admin_token(settings: Settings) -> str:
     """The configured token, or a new one written to the run dir (mode 0600) for the CLI to read."""
-    token = settings.gateway.admin_token or secrets.token_urlsafe(24)
+    token = settings.gateway.admin_token or os.environ.get("WARMGATE_ADMIN_TOKEN") or secrets.token_urlsafe(24)
     path = settings.run_dir / TOKEN_FILE
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:

@@ -55,10 +55,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def write_config(path: Path, model: Path, max_num_seqs: int = 8) -> None:
+def write_config(path: Path, model: Path, max_num_seqs: int = 8, default_max_tokens: int = 256) -> None:
     path.write_text(
         f'model = "{model}"\nserved_model_name = "{MODEL_NAME}"\n\n'
-        f"[engine]\nmax_num_seqs = {max_num_seqs}\nmax_model_len = 512\n\n"
+        f"[engine]\nmax_num_seqs = {max_num_seqs}\nmax_model_len = 512\ndefault_max_tokens = {default_max_tokens}\n\n"
         '[restart]\nstrategy = "overlap"\ndrain_timeout = 30\nqueue_timeout = 120\n'
     )
 
@@ -296,3 +296,35 @@ def test_status_cli_reads_the_token_from_the_run_dir(gateway: Gateway) -> None:
     env = {**os.environ, "WARMGATE_ADMIN_TOKEN": ""}
     bad = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60, env=env)
     assert bad.returncode == 2 and bad.stderr.startswith("warmgate: error: no admin token"), bad.stderr
+
+
+def test_a_failed_start_leaves_the_engine_serving_and_sighup_reloads(gateway: Gateway, model: Path) -> None:
+    before = gateway.admin("GET", "/admin/status").json()["active"]
+    # An engine that cannot start (no room for one sequence in its KV cache) is reported; nothing changes.
+    failed = gateway.admin("POST", "/admin/restart", json={"engine": {"kv_cache_bytes": 1}})
+    assert failed.status_code == 500 and failed.json()["ok"] is False
+    assert "kv_cache_bytes=1 cannot hold one sequence" in failed.json()["error"]
+    assert gateway.admin("GET", "/admin/status").json()["active"] == before
+    assert gateway.client().completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2).usage is not None
+    bad = gateway.admin("POST", "/admin/restart", json={"strategy": "sideways"})
+    assert bad.status_code == 400 and "sideways" in bad.json()["error"]["message"]
+
+    # SIGHUP re-reads the file: a new default max_tokens shows in behaviour, not only in status.
+    write_config(gateway.config, model, max_num_seqs=4, default_max_tokens=3)
+    gateway.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        status = gateway.admin("GET", "/admin/status").json()
+        active = next((e for e in status["engines"] if e["id"] == status["active"]), None)
+        if active and active["settings"]["default_max_tokens"] == 3:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail("SIGHUP did not roll the engines over")
+    response = httpx.post(f"{gateway.url}/v1/completions", json={"prompt": "Count:", "ignore_eos": True}, timeout=60)
+    assert response.json()["usage"]["completion_tokens"] == 3
+    logged = "event=reload signal=SIGHUP changed=engine ok=True"  # written once the old engine has drained
+    deadline = time.monotonic() + 60
+    while logged not in gateway.log_path.read_text() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert logged in gateway.log_path.read_text()
