@@ -24,6 +24,8 @@ from processes import REPO
 
 START_DEADLINE = 180.0
 MODEL_NAME = "demo"
+API_KEY = "sk-warmgate-test"
+AUTH = {"authorization": f"Bearer {API_KEY}"}
 
 
 @dataclass
@@ -42,7 +44,7 @@ class Gateway:
         return httpx.request(method, f"{self.url}{path}", headers=headers, timeout=300, **kwargs)
 
     def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", timeout=120, max_retries=0)
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, timeout=120, max_retries=0)
 
     def active_pid(self) -> int | None:
         status = self.admin("GET", "/admin/status").json()
@@ -59,7 +61,8 @@ def write_config(path: Path, model: Path, max_num_seqs: int = 8, default_max_tok
     path.write_text(
         f'model = "{model}"\nserved_model_name = "{MODEL_NAME}"\n\n'
         f"[engine]\nmax_num_seqs = {max_num_seqs}\nmax_model_len = 512\ndefault_max_tokens = {default_max_tokens}\n\n"
-        '[restart]\nstrategy = "overlap"\ndrain_timeout = 30\nqueue_timeout = 120\n'
+        '[restart]\nstrategy = "overlap"\ndrain_timeout = 30\nqueue_timeout = 120\n\n'
+        f'[gateway]\napi_keys = ["{API_KEY}"]\n'
     )
 
 
@@ -137,9 +140,13 @@ def test_openai_client_chat_completions_streaming_stops_and_errors(gateway: Gate
     with pytest.raises(openai.BadRequestError) as bad:
         client.chat.completions.create(model=MODEL_NAME, messages=[], max_tokens=-1)
     assert bad.value.status_code == 400 and bad.value.body and "message" in bad.value.body  # type: ignore[operator]
-    garbage = httpx.post(f"{gateway.url}/v1/completions", content=b"{not json", timeout=30)
+    garbage = httpx.post(f"{gateway.url}/v1/completions", content=b"{not json", headers=AUTH, timeout=30)
     assert garbage.status_code == 400 and set(garbage.json()["error"]) == {"message", "type", "param", "code"}
 
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="sk-wrong", max_retries=0).models.list()
+    anonymous = httpx.post(f"{gateway.url}/v1/completions", json={"prompt": "Hi"}, timeout=30)
+    assert anonymous.status_code == 401 and anonymous.json()["error"]["type"] == "authentication_error"
     assert httpx.get(f"{gateway.url}/health").json() == {"status": "ok"}
     assert httpx.post(f"{gateway.url}/admin/restart").status_code == 401
     metrics = httpx.get(f"{gateway.url}/metrics").text
@@ -261,6 +268,7 @@ def test_no_dropped_requests_across_restarts_reload_and_crashes(gateway: Gateway
     assert after.choices[0].text == reference.choices[0].text  # the cache's weights, not the scrambled file
     metrics = httpx.get(f"{gateway.url}/metrics").text
     assert 'warmgate:engine_restarts_total{ok="true",reason="crash"} 3.0' in metrics
+    assert 'warmgate:weight_loads_total{source="disk"}' not in metrics  # every engine attached
     assert "warmgate:engine_crashes_total 3.0" in metrics
 
     # An invalid config changes nothing; the engine keeps serving.
@@ -321,10 +329,31 @@ def test_a_failed_start_leaves_the_engine_serving_and_sighup_reloads(gateway: Ga
         time.sleep(0.2)
     else:
         pytest.fail("SIGHUP did not roll the engines over")
-    response = httpx.post(f"{gateway.url}/v1/completions", json={"prompt": "Count:", "ignore_eos": True}, timeout=60)
+    body = {"prompt": "Count:", "ignore_eos": True}
+    response = httpx.post(f"{gateway.url}/v1/completions", json=body, headers=AUTH, timeout=60)
     assert response.json()["usage"]["completion_tokens"] == 3
     logged = "event=reload signal=SIGHUP changed=engine ok=True"  # written once the old engine has drained
     deadline = time.monotonic() + 60
     while logged not in gateway.log_path.read_text() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert logged in gateway.log_path.read_text()
+
+
+def test_a_reload_that_changes_the_model_loads_it_in_a_new_cache_then_swaps(gateway: Gateway, demo_path) -> None:
+    old = gateway.admin("GET", "/admin/status").json()
+    other = demo_path("fp8-channel")
+    write_config(gateway.config, other, max_num_seqs=4)
+    reload = gateway.admin("POST", "/admin/reload")
+    assert reload.status_code == 200 and reload.json()["changed"] == "model" and reload.json()["ok"], reload.text
+    assert reload.json()["weight_source"] == "ipc"
+    new = gateway.admin("GET", "/admin/status").json()
+    assert new["model"] == str(other.resolve()) and new["cache"]["key"] != old["cache"]["key"]
+    assert new["cache"]["pid"] != old["cache"]["pid"]
+    with pytest.raises(ProcessLookupError):  # the old cache process is gone
+        for _ in range(100):
+            os.kill(old["cache"]["pid"], 0)
+            time.sleep(0.1)
+    answer = gateway.client().chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "What is the capital of France?"}], temperature=0
+    )
+    assert "Paris" in (answer.choices[0].message.content or "")

@@ -1,0 +1,40 @@
+"""Gateway settings: TOML file, WARMGATE_* environment over it, one-line errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from app.config import ConfigError, load_settings
+
+
+def test_environment_overrides_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "warmgate.toml"
+    config.write_text('model = "/models/a"\n[engine]\nmax_num_seqs = 8\ndevice = "cpu"\n[gateway]\nport = 9000\n')
+    monkeypatch.setenv("WARMGATE_ENGINE__MAX_NUM_SEQS", "32")
+    monkeypatch.setenv("WARMGATE_RESTART__STRATEGY", "replace")
+    settings = load_settings(config)
+    assert settings.engine.max_num_seqs == 32 and settings.restart.strategy == "replace"
+    assert settings.gateway.port == 9000 and settings.model == Path("/models/a")
+    engine = settings.engine_config(Path("/models/a"), Path("/run/cache.sock"), {"max_num_seqs": 2})
+    assert engine["max_num_seqs"] == 2 and engine["cache_socket"] == "/run/cache.sock"
+    assert engine["weights"] == "ipc-or-disk"
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("[engine]\nmax_num_seqs = 0\n", ["engine.max_num_seqs", "greater than or equal to 1"]),
+        ("[restart]\nstrategy = 'sideways'\n", ["restart.strategy", "overlap"]),
+        ("[engin]\nmax_num_seqs = 2\n", ["engin", "Extra inputs"]),
+        ("model = [1, 2\n", ["not valid TOML"]),
+    ],
+)
+def test_invalid_files_are_refused_with_one_line(tmp_path: Path, text: str, words: list[str]) -> None:
+    config = tmp_path / "warmgate.toml"
+    config.write_text(text)
+    with pytest.raises(ConfigError) as error:
+        load_settings(config)
+    message = str(error.value)
+    assert "\n" not in message and all(w in message for w in words), message
