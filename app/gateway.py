@@ -9,6 +9,7 @@ error event in the OpenAI shape and ``[DONE]``, never a hang.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
@@ -107,6 +108,22 @@ def create_gateway(state: GatewayState) -> FastAPI:
             await upstream.aclose()
             await state.manager.engine_failed(engine)
             raise _Retry from None
+        except asyncio.CancelledError:  # our client hung up: closing the connection cancels it in the engine
+            await upstream.aclose()
+            raise
+
+    async def forward_while_connected(request: Request, path: str, body: bytes) -> tuple[Any, ...]:
+        """forward(), abandoned as soon as the client disconnects, so the engine stops generating for nobody."""
+        task = asyncio.create_task(forward(path, body))
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, _Retry, _Unavailable, httpx.HTTPError):
+                    await task
+                raise _ClientGone
 
     async def proxy(request: Request, path: str) -> Response:
         route = path
@@ -127,8 +144,11 @@ def create_gateway(state: GatewayState) -> FastAPI:
         try:
             while True:
                 try:
-                    upstream, chunks, first = await forward(path, body)
+                    upstream, chunks, first = await forward_while_connected(request, path, body)
                     break
+                except _ClientGone:
+                    metrics.requests.labels(route, "499").inc()
+                    return Response(status_code=499)  # nobody reads it
                 except _Retry:
                     attempt += 1
                     if attempt > state.retries:
@@ -231,6 +251,10 @@ def create_gateway(state: GatewayState) -> FastAPI:
 
 class _Unavailable(Exception):
     """No engine to take the request (queue full, or none became active in time)."""
+
+
+class _ClientGone(Exception):
+    """The client disconnected before the engine answered."""
 
 
 async def _relay(upstream: httpx.Response, chunks: AsyncIterator[bytes], first: bytes, metrics: GatewayMetrics,

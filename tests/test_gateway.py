@@ -339,6 +339,24 @@ def test_a_failed_start_leaves_the_engine_serving_and_sighup_reloads(gateway: Ga
     assert logged in gateway.log_path.read_text()
 
 
+def test_a_client_that_hangs_up_stops_its_generation_in_the_engine(gateway: Gateway) -> None:
+    status = gateway.admin("GET", "/admin/status").json()
+    engine_socket = next(e["socket"] for e in status["engines"] if e["id"] == status["active"])
+    engine = httpx.Client(transport=httpx.HTTPTransport(uds=engine_socket), base_url="http://engine", timeout=30)
+
+    def running() -> int:
+        return int(engine.get("/health").json()["running"])
+
+    body = {"prompt": "Count:", "max_tokens": 400, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up long before 400 tokens on this CPU
+        httpx.post(f"{gateway.url}/v1/completions", json=body, headers=AUTH, timeout=1.5)
+    deadline = time.monotonic() + 10
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert running() == 0, "the engine kept generating for a client that left"
+    assert 'warmgate:requests_total{route="/v1/completions",status="499"}' in httpx.get(f"{gateway.url}/metrics").text
+
+
 def test_a_reload_that_changes_the_model_loads_it_in_a_new_cache_then_swaps(gateway: Gateway, demo_path) -> None:
     old = gateway.admin("GET", "/admin/status").json()
     other = demo_path("fp8-channel")
