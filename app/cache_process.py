@@ -11,12 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from cache.client import CacheClient, CacheRefused, CacheUnavailable
 from cache.events import log_event
 from cache.manifest import expected_key
-from cache.processing import compute_dtype
+from cache.processing import compute_dtype, resolve_device
 
 log = logging.getLogger("warmgate.gateway.cache")
 
@@ -49,9 +47,7 @@ class CacheHandle:
 
 
 def _expected(model: Path, device: str, dtype: str) -> str:
-    target = torch.device(device)
-    if target.type == "cuda" and target.index is None:
-        target = torch.device("cuda", torch.cuda.current_device())
+    target = resolve_device(device)
     return expected_key(model, target, compute_dtype(target, dtype))
 
 

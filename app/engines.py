@@ -271,8 +271,7 @@ class EngineManager:
         await self._stop(engine)
 
     async def _stop(self, engine: Engine, final: EngineState = EngineState.STOPPED) -> None:
-        if engine.state is not EngineState.FAILED:
-            engine.state = EngineState.DRAINING if engine.process.returncode is None else engine.state
+        # Callers set DRAINING or FAILED first (close() sets _closing): the crash watcher ignores this exit.
         if engine.process.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 engine.process.send_signal(signal.SIGTERM)

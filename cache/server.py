@@ -224,12 +224,12 @@ def main(model: Path, socket_path: Path, device: str = "cpu", dtype: str = "auto
     import torch
 
     from cache.loader import load_cache
+    from cache.processing import resolve_device
 
     events.log_event(log, "startup", phase="import", seconds=time.perf_counter() - t)
     t = time.perf_counter()
-    target = torch.device(device)
+    target = resolve_device(device)
     if target.type == "cuda":
-        target = torch.device("cuda", target.index if target.index is not None else torch.cuda.current_device())
         torch.cuda.set_device(target)
     cache = load_cache(model, target, dtype)
     events.log_event(log, "startup", phase="load", seconds=time.perf_counter() - t, **cache.phases)

@@ -21,7 +21,7 @@ SMALL_ROWS = 64  # decode-sized launches only: a multi-wave kernel gains nothing
 
 
 @triton.jit
-def _pdl_enter(USE_PDL: tl.constexpr):
+def pdl_enter(USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the previous kernel has finished and its writes are visible
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may be scheduled now
@@ -35,7 +35,7 @@ def pdl_enabled(device: torch.device) -> bool:
 @triton.jit
 def _add_rms_norm(x_ptr, r_ptr, w_ptr, out_ptr, n_cols, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
                   USE_PDL: tl.constexpr):  # fmt: skip
-    _pdl_enter(USE_PDL)
+    pdl_enter(USE_PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -93,7 +93,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _silu_mul(g_ptr, u_ptr, out_ptr, n_cols, stride_g, stride_u, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    _pdl_enter(USE_PDL)
+    pdl_enter(USE_PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -144,7 +144,7 @@ def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 def _rope_kv_write(qkv_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, pos_ptr, stride_t, stride_slot, stride_head,
                    stride_pos, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
                    USE_PDL: tl.constexpr):  # fmt: skip
-    _pdl_enter(USE_PDL)
+    pdl_enter(USE_PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)  # 0..HEADS-1: a query head; HEADS..HEADS+KV_HEADS-1: a key/value head
     offs = tl.arange(0, HALF)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from cache.arena import preload_transport
-from cache.processing import compute_dtype
+from cache.processing import compute_dtype, resolve_device
 from engine.config import EngineConfig
 from engine.cuda_graphs import GraphedDecode
 from engine.kv_cache import KVCache, KVCacheSpec, span_bucket
@@ -81,10 +81,8 @@ class LLMEngine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         with self._phase("device_init"):
-            self.device = torch.device(config.device)
+            self.device = resolve_device(config.device)
             if self.device.type == "cuda":
-                if self.device.index is None:
-                    self.device = torch.device("cuda", torch.cuda.current_device())
                 torch.cuda.set_device(self.device)
                 torch.zeros(1, device=self.device)  # create the context now, not on the first request
             self.dtype = compute_dtype(self.device, config.dtype)

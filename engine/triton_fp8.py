@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.fused_ops import SMALL_ROWS, _pdl_enter, pdl_enabled
+from engine.fused_ops import SMALL_ROWS, pdl_enabled, pdl_enter
 
 BLOCK_K = 128
 FP8_MAX = tl.constexpr(448.0)
@@ -28,7 +28,7 @@ def _fp8_block_gemm(
     SPLITS: tl.constexpr, K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    _pdl_enter(USE_PDL)
+    pdl_enter(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)

@@ -93,12 +93,13 @@ def main(socket_path: str | Path, config_source: str, drain_timeout: float = DEF
     started = time.perf_counter()
     events.configure_logging()
     socket_path = Path(socket_path)
-    log_event("startup", phase="begin", socket=socket_path, pid=os.getpid())
     # A stop asked for while we load (a supervisor giving up on a slow start) ends the start-up
     # cleanly once the current phase is done; the asyncio loop takes the signals over when serving.
+    # Installed before the first log line, so a supervisor that saw it may signal safely.
     stop_requested: list[str] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: stop_requested.append(signal.Signals(signum).name))
+    log_event("startup", phase="begin", socket=socket_path, pid=os.getpid())
 
     from cache.uds import bind_unix_socket
     from engine.config import EngineConfig

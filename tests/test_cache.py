@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import shutil
 import signal
@@ -163,8 +164,6 @@ def test_attached_tensors_and_layer_metadata_match_processing(demo_path, tmp_pat
             assert [p[0] for p in qkv["parts"]] == [f"model.layers.0.self_attn.{n}_proj" for n in "qkv"]
             assert manifest.recipes() == expected.recipes
             # Nobody can write to the arena: the memfd is sealed against writable mappings.
-            import mmap
-
             with pytest.raises(PermissionError):
                 fd = client.attach("writer")[2][0]
                 try:

@@ -371,10 +371,17 @@ def test_sigterm_during_start_up_exits_cleanly(model: Path, tmp_path: Path) -> N
     sock = tmp_path / "engine.sock"
     config = json.dumps({"model": str(model), "max_num_seqs": 2, "max_model_len": 256})
     cmd = [sys.executable, "-m", "app.cli", "engine", "--socket", str(sock), "--config", config]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    time.sleep(1.0)  # inside the imports or the model load
+    log_path = tmp_path / "engine.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    # Signal handlers are in place once start-up has begun; torch's import alone takes longer than this wait.
+    deadline = time.monotonic() + 60
+    while "event=startup phase=begin" not in log_path.read_text() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert "event=ready" not in log_path.read_text(), "start-up finished before the signal: nothing was tested"
     proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
+    proc.wait(timeout=120)
+    out = log_path.read_text()
     assert proc.returncode == 0, out
     assert "event=exit reason=" in out and "during start-up" in out, out
     assert not sock.exists()

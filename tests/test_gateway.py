@@ -206,6 +206,14 @@ class Load:
         with self.lock:
             return Counter(self.outcomes)
 
+    def wait_for_more(self, n: int, timeout: float = 120.0) -> None:
+        """Until ``n`` more requests have completed (either way) than now."""
+        target = sum(self.snapshot().values()) + n
+        deadline = time.monotonic() + timeout
+        while sum(self.snapshot().values()) < target:
+            assert time.monotonic() < deadline, f"the load made no progress: {dict(self.snapshot())}"
+            time.sleep(0.05)
+
 
 def test_no_dropped_requests_across_restarts_reload_and_crashes(gateway: Gateway, model: Path) -> None:
     # The checkpoint's tensor data is overwritten from here on (header, size and mtime kept): every
@@ -216,7 +224,7 @@ def test_no_dropped_requests_across_restarts_reload_and_crashes(gateway: Gateway
 
     reports = []
     with Load(gateway) as load:
-        time.sleep(2)
+        load.wait_for_more(8)  # every client is in its loop before the first restart
         for i in range(10):
             strategy = "overlap" if i % 2 == 0 else "replace"
             response = gateway.admin("POST", "/admin/restart", json={"strategy": strategy})
@@ -226,7 +234,7 @@ def test_no_dropped_requests_across_restarts_reload_and_crashes(gateway: Gateway
         write_config(gateway.config, model, max_num_seqs=4)
         reload = gateway.admin("POST", "/admin/reload")
         assert reload.status_code == 200 and reload.json()["changed"] == "engine" and reload.json()["ok"], reload.text
-        time.sleep(1)
+        load.wait_for_more(8)  # requests served by the reloaded engine count too
         calm = load.snapshot()
         assert calm["failed"] == 0 and calm["stream_error_event"] == 0, load.errors[:5]
 
@@ -242,7 +250,7 @@ def test_no_dropped_requests_across_restarts_reload_and_crashes(gateway: Gateway
                 time.sleep(0.2)
             else:
                 pytest.fail("no replacement engine after a crash")
-            time.sleep(3)  # the replacement serves for a while before the next crash
+            load.wait_for_more(12)  # the replacement serves for a while before the next crash
     outcomes = load.snapshot()
 
     assert all(r["ok"] and r["weight_source"] == "ipc" for r in reports), reports
