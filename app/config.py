@@ -43,6 +43,7 @@ class EngineSettings(_Section):
     max_model_len: Annotated[int | None, Field(ge=16)] = None
     kv_cache_bytes: Annotated[int | None, Field(ge=1)] = None
     max_num_batched_tokens: Annotated[int, Field(ge=16)] = 2048
+    block_size: Annotated[int, Field(ge=1, le=256)] = 16
     cuda_graphs: bool = True
     default_max_tokens: Annotated[int, Field(ge=1)] = 256
     weights: Literal["ipc", "ipc-or-disk", "disk"] = "ipc-or-disk"

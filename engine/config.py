@@ -20,7 +20,8 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = Field(16, ge=1)
     max_model_len: int | None = Field(None, ge=16)  # default: min(model's context, 4096)
     kv_cache_bytes: int | None = Field(None, ge=1)  # cap on KV memory; fewer sequences fit if it binds
-    max_num_batched_tokens: int = Field(2048, ge=16)  # prefill tokens per scheduler step
+    max_num_batched_tokens: int = Field(2048, ge=16)  # tokens per scheduler step (prompt chunks + decode)
+    block_size: int = Field(16, ge=1, le=256)  # KV cache positions per block
     cuda_graphs: bool = True
     weights: Literal["disk", "ipc", "ipc-or-disk"] = "disk"
     cache_socket: Path | None = None

@@ -116,53 +116,27 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _kv_write(k_ptr, v_ptr, kc_ptr, vc_ptr, pos_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
-              stride_slot, stride_head, stride_pos, DIM: tl.constexpr):  # fmt: skip
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    offs = tl.arange(0, DIM)
-    pos = tl.load(pos_ptr + b)
-    dst = b * stride_slot + h * stride_head + pos * stride_pos + offs
-    tl.store(kc_ptr + dst, tl.load(k_ptr + b * stride_kt + h * stride_kh + offs))
-    tl.store(vc_ptr + dst, tl.load(v_ptr + b * stride_vt + h * stride_vh + offs))
-
-
-def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             positions: torch.Tensor) -> None:  # fmt: skip
-    """Row b of k, v [B, kv_heads, head_dim] into slot b at positions[b] of one layer's cache.
-
-    The cache layer is [slots, kv_heads, max_len, head_dim]; head_dim must be a power of two.
-    """
-    b, heads, dim = k.shape
-    _kv_write[(b, heads)](
-        k, v, k_cache, v_cache, positions, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), DIM=dim, num_warps=1,
-    )  # fmt: skip
-
-
-@triton.jit
-def _rope_kv_write(qkv_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, pos_ptr, stride_t, stride_slot, stride_head,
-                   stride_pos, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+def _rope_kv_write(qkv_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, slot_ptr, stride_t, stride_slot, stride_head,
+                   HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
                    USE_PDL: tl.constexpr):  # fmt: skip
     pdl_enter(USE_PDL)
-    b = tl.program_id(0)
+    t = tl.program_id(0)
     h = tl.program_id(1)  # 0..HEADS-1: a query head; HEADS..HEADS+KV_HEADS-1: a key/value head
     offs = tl.arange(0, HALF)
-    src = qkv_ptr + b * stride_t + h * 2 * HALF
+    src = qkv_ptr + t * stride_t + h * 2 * HALF
     x1 = tl.load(src + offs).to(tl.float32)
     x2 = tl.load(src + HALF + offs).to(tl.float32)
-    c = tl.load(cos_ptr + b * HALF + offs)
-    s = tl.load(sin_ptr + b * HALF + offs)
+    c = tl.load(cos_ptr + t * HALF + offs)
+    s = tl.load(sin_ptr + t * HALF + offs)
     r1 = x1 * c - x2 * s
     r2 = x2 * c + x1 * s
     if h < HEADS:
-        dst = q_ptr + (b * HEADS + h) * 2 * HALF
+        dst = q_ptr + (t * HEADS + h) * 2 * HALF
     else:
         kv = h - HEADS
-        pos = tl.load(pos_ptr + b)
-        cache = b * stride_slot + kv * stride_head + pos * stride_pos
+        cache = tl.load(slot_ptr + t).to(tl.int64) * stride_slot + kv * stride_head
         dst = kc_ptr + cache
-        v_src = qkv_ptr + b * stride_t + (HEADS + KV_HEADS + kv) * 2 * HALF
+        v_src = qkv_ptr + t * stride_t + (HEADS + KV_HEADS + kv) * 2 * HALF
         tl.store(vc_ptr + cache + offs, tl.load(v_src + offs))
         tl.store(vc_ptr + cache + HALF + offs, tl.load(v_src + HALF + offs))
     tl.store(dst + offs, r1.to(q_ptr.dtype.element_ty))
@@ -170,17 +144,16 @@ def _rope_kv_write(qkv_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, pos_ptr, st
 
 
 def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, positions: torch.Tensor, heads: int,
-                  kv_heads: int) -> torch.Tensor:  # fmt: skip
-    """Decode attention's input side in one launch: from the merged projection qkv [B, (H + 2*KV) * D],
-    rotate q and k (rotate-half), write k and v into slot b at positions[b] of one layer's cache
-    [slots, KV, max_len, D], and return the rotated queries [B, H, D]. D must be a power of two."""
-    b = qkv.shape[0]
+                  v_cache: torch.Tensor, slots: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:  # fmt: skip
+    """Attention's input side in one launch: from the merged projection qkv [T, (H + 2*KV) * D],
+    rotate q and k (rotate-half), write k and v of token t into cache slot slots[t] of one layer's
+    cache [slots, KV, D], and return the rotated queries [T, H, D]. D must be a power of two."""
+    t = qkv.shape[0]
     dim = k_cache.shape[-1]
-    q = torch.empty(b, heads, dim, dtype=qkv.dtype, device=qkv.device)
-    _rope_kv_write[(b, heads + kv_heads)](
-        qkv, cos, sin, q, k_cache, v_cache, positions, qkv.stride(0), k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), HEADS=heads, KV_HEADS=kv_heads, HALF=dim // 2, num_warps=1,
-        USE_PDL=(pdl := pdl_enabled(qkv.device)), launch_pdl=pdl,
+    q = torch.empty(t, heads, dim, dtype=qkv.dtype, device=qkv.device)
+    _rope_kv_write[(t, heads + kv_heads)](
+        qkv, cos, sin, q, k_cache, v_cache, slots, qkv.stride(0), k_cache.stride(0), k_cache.stride(1),
+        HEADS=heads, KV_HEADS=kv_heads, HALF=dim // 2, num_warps=1,
+        USE_PDL=(pdl := pdl_enabled(qkv.device) and t <= SMALL_ROWS), launch_pdl=pdl,
     )  # fmt: skip
     return q

@@ -1,8 +1,13 @@
-"""Slot-based KV cache: one fixed row of max_model_len positions per running sequence.
+"""Paged KV cache: fixed-size blocks of token positions, handed to sequences as they grow.
 
-Running sequences always occupy slots 0..B-1 (the scheduler moves the last one into a
-freed slot), so decode attention reads a plain strided view of the first B slots
-instead of gathering them.
+A sequence owns a list of block ids (its block table); position p of the sequence lives in
+cache slot ``table[p // block_size] * block_size + p % block_size``. Concurrency is bounded
+by the tokens in use, not by max_model_len per sequence. Block 0 is never handed out: padded
+rows of a CUDA-graph step write their keys there.
+
+Layout per layer: keys and values [slots, kv_heads, head_dim], slots = blocks * block_size,
+so one token's keys for all heads are contiguous (one write per token) and a kernel reads a
+page of one head as ``block_size`` rows of head_dim.
 """
 
 from __future__ import annotations
@@ -15,72 +20,94 @@ import torch
 
 from cache.checkpoint.architecture import ModelShape
 
-MIN_SPAN = 64
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
-def span_bucket(longest: int, max_len: int) -> int:
-    """How many cache positions decode attention reads: a power of two >= ``longest`` (few distinct shapes)."""
-    return min(max_len, max(MIN_SPAN, next_pow2(longest)))
+NULL_BLOCK = 0  # reserved: padding writes land here, no sequence reads it
 
 
 @dataclass(frozen=True)
 class KVCacheSpec:
-    slots: int
-    max_len: int
+    blocks: int  # including the reserved null block
+    block_size: int
     bytes_per_token: int
 
     @property
+    def slots(self) -> int:
+        return self.blocks * self.block_size
+
+    @property
     def total_bytes(self) -> int:
-        return self.slots * self.max_len * self.bytes_per_token
+        return self.slots * self.bytes_per_token
+
+    @property
+    def usable_tokens(self) -> int:
+        return (self.blocks - 1) * self.block_size
 
     @classmethod
-    def plan(cls, shape: ModelShape, dtype: torch.dtype, max_seqs: int, max_len: int,
-             budget: int | None) -> KVCacheSpec:  # fmt: skip
-        """As many slots as ``max_seqs``, fewer if ``budget`` bytes cannot hold them; at least one."""
+    def plan(cls, shape: ModelShape, dtype: torch.dtype, max_seqs: int, max_len: int, budget: int | None,
+             block_size: int) -> KVCacheSpec:  # fmt: skip
+        """Blocks for ``max_seqs`` full-length sequences, or as many as ``budget`` bytes hold.
+
+        Refused when the cache cannot hold one sequence of ``max_len`` tokens: such a request could never finish.
+        """
         per_token = shape.layers * 2 * shape.kv_heads * shape.head_dim * torch.finfo(dtype).bits // 8
-        slots = max_seqs if budget is None else min(max_seqs, budget // (per_token * max_len))
-        if slots < 1:
-            need = per_token * max_len
+        per_seq = math.ceil(max_len / block_size)
+        blocks = max_seqs * per_seq if budget is None else budget // (per_token * block_size) - 1
+        if blocks < per_seq:
+            need = per_token * (per_seq + 1) * block_size
             raise ValueError(f"kv_cache_bytes={budget} cannot hold one sequence of {max_len} tokens ({need} bytes)")
-        return cls(slots, max_len, per_token)
+        return cls(blocks + 1, block_size, per_token)
 
 
 class KVCache:
+    """Keys and values of every layer: k, v [layers, slots, kv_heads, head_dim]."""
+
     def __init__(self, shape: ModelShape, spec: KVCacheSpec, dtype: torch.dtype, device: torch.device) -> None:
         self.spec = spec
-        dims = (shape.layers, spec.slots, shape.kv_heads, spec.max_len, shape.head_dim)
+        self.block_size = spec.block_size
+        dims = (shape.layers, spec.slots, shape.kv_heads, shape.head_dim)
         self.k = _zeros(dims, dtype, device)
         self.v = _zeros(dims, dtype, device)
 
-    def write_prompt(self, layer: int, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v [T, kv_heads, head_dim] at positions 0..T-1 of ``slot``."""
-        n = k.shape[0]
-        self.k[layer, slot, :, :n] = k.transpose(0, 1)
-        self.v[layer, slot, :, :n] = v.transpose(0, 1)
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """k, v [T, kv_heads, head_dim]: row t goes to cache slot slots[t]."""
+        self.k[layer].index_copy_(0, slots, k)
+        self.v[layer].index_copy_(0, slots, v)
 
-    def write_tokens(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
-        """k, v [B, kv_heads, head_dim]: row b goes to slot b at positions[b]."""
-        if k.is_cuda and k.shape[-1] & (k.shape[-1] - 1) == 0:  # the fused kernel wants a power-of-two head_dim
-            from engine.fused_ops import kv_write
+    def gather(self, layer: int, table: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of positions 0..length-1 of the sequence with this block table: [length, kv_heads, d]."""
+        slots = slots_of(table, 0, length, self.block_size, self.k.device)
+        return self.k[layer].index_select(0, slots), self.v[layer].index_select(0, slots)
 
-            kv_write(self.k[layer], self.v[layer], k, v, positions)
-            return
-        slots = torch.arange(k.shape[0], device=k.device)
-        self.k[layer, slots, :, positions] = k
-        self.v[layer, slots, :, positions] = v
 
-    def view(self, layer: int, batch: int, span: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of slots 0..batch-1, positions 0..span-1: [B, kv_heads, span, head_dim] (no copy)."""
-        return self.k[layer, :batch, :, :span], self.v[layer, :batch, :, :span]
+class BlockAllocator:
+    """Free block ids; a sequence's table grows one block at a time and is freed whole."""
 
-    def move(self, src: int, dst: int, length: int) -> None:
-        """Copy a sequence's first ``length`` positions from slot ``src`` to slot ``dst`` (compaction)."""
-        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
-        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+    def __init__(self, spec: KVCacheSpec) -> None:
+        self.block_size = spec.block_size
+        self.free: list[int] = list(range(spec.blocks - 1, NULL_BLOCK, -1))  # pop() hands out low ids first
+
+    def needed(self, table: list[int], tokens: int) -> int:
+        """Blocks to add so that ``table`` holds ``tokens`` positions."""
+        return max(0, -(-tokens // self.block_size) - len(table))
+
+    def grow(self, table: list[int], tokens: int) -> bool:
+        """Extend ``table`` in place to hold ``tokens`` positions; False (nothing taken) if blocks are short."""
+        n = self.needed(table, tokens)
+        if n > len(self.free):
+            return False
+        for _ in range(n):
+            table.append(self.free.pop())
+        return True
+
+    def release(self, table: list[int]) -> None:
+        self.free.extend(reversed(table))
+        table.clear()
+
+
+def slots_of(table: list[int], start: int, end: int, block_size: int, device: torch.device) -> torch.Tensor:
+    """Cache slots of positions start..end-1 of a sequence (int64, on ``device``)."""
+    positions = torch.arange(start, end)
+    blocks = torch.tensor(table, dtype=torch.long)[positions // block_size]
+    return (blocks * block_size + positions % block_size).to(device)
 
 
 def _zeros(dims: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -88,7 +115,7 @@ def _zeros(dims: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
 
     torch.zeros would write every byte up front (6.7 s for the demo's 3 GB default cache here),
     which a restart would pay every time. Unused positions must read as zeros, not garbage:
-    masked attention multiplies them by 0, and 0 * NaN is NaN.
+    a masked score times a NaN value would still be NaN.
     """
     if device.type != "cpu":
         return torch.zeros(dims, dtype=dtype, device=device)

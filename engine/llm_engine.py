@@ -1,8 +1,9 @@
-"""The engine core: one model, a KV cache, and a scheduler thread doing continuous batching.
+"""The engine core: one model, a paged KV cache, and a scheduler thread doing continuous batching.
 
 The HTTP server talks to it through ``submit`` (from its asyncio loop) and iterates the
 returned RequestStream; everything blocking (model forward, sampling) runs on the
-engine's own thread.
+engine's own thread. A step's token events reach the loop in one hand-over, not one per token:
+the thread that feeds the GPU does no text work and wakes the loop once per step.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ import torch
 from cache.arena import preload_transport
 from cache.processing import compute_dtype, resolve_device
 from engine.config import EngineConfig
-from engine.cuda_graphs import GraphedDecode
-from engine.kv_cache import KVCache, KVCacheSpec, span_bucket
+from engine.kv_cache import BlockAllocator, KVCache, KVCacheSpec
 from engine.model import ModelArgs, Transformer
+from engine.model_runner import ModelRunner
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, Sequence
@@ -47,16 +48,17 @@ class TokenEvent:
 class RequestStream:
     """A submitted request; iterate it (async) to receive its TokenEvents until one has finish_reason."""
 
-    def __init__(self, request_id: str, prompt_tokens: int, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, request_id: str, prompt_tokens: int, loop: asyncio.AbstractEventLoop, outbox: Outbox) -> None:
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens
-        self._loop = loop
-        self._queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self.loop = loop
+        self.queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self._outbox = outbox
         self.cancelled = False
 
     def push(self, event: TokenEvent) -> None:
-        """Called from the engine thread."""
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+        """Called from the engine thread: delivered with the rest of the step's events."""
+        self._outbox.add(self, event)
 
     def cancel(self) -> None:
         """Stop generating (client went away, stop string hit); the stream ends with 'abort'."""
@@ -64,10 +66,35 @@ class RequestStream:
 
     async def __aiter__(self) -> AsyncIterator[TokenEvent]:
         while True:
-            event = await self._queue.get()
+            event = await self.queue.get()
             yield event
             if event.finish_reason is not None:
                 return
+
+
+class Outbox:
+    """Token events of one step, handed to each event loop in one call (not one wake-up per token)."""
+
+    def __init__(self) -> None:
+        self._events: list[tuple[RequestStream, TokenEvent]] = []
+
+    def add(self, stream: RequestStream, event: TokenEvent) -> None:
+        self._events.append((stream, event))
+
+    def flush(self) -> None:
+        if not self._events:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, TokenEvent]]] = {}
+        for stream, event in self._events:
+            by_loop.setdefault(stream.loop, []).append((stream, event))
+        self._events = []
+        for loop, events in by_loop.items():
+            loop.call_soon_threadsafe(_deliver, events)
+
+
+def _deliver(events: list[tuple[RequestStream, TokenEvent]]) -> None:
+    for stream, event in events:
+        stream.queue.put_nowait(event)
 
 
 class LLMEngine:
@@ -77,6 +104,7 @@ class LLMEngine:
         self.config = config
         self.startup_phases: dict[str, float] = {}
         self._inbox: list[Sequence] = []
+        self._outbox = Outbox()
         self._wake = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -100,10 +128,14 @@ class LLMEngine:
         self.eos_token_ids = _eos_ids(loaded.config, config.model)
         with self._phase("kv_alloc"):
             spec = KVCacheSpec.plan(self.args.shape, self.dtype, config.max_num_seqs, self.max_model_len,
-                                    config.kv_cache_bytes)  # fmt: skip
+                                    config.kv_cache_bytes, config.block_size)  # fmt: skip
             self.kv = KVCache(self.args.shape, spec, self.dtype, self.device)
-        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens)
-        self.graphs = GraphedDecode(self.model, self.kv) if self.device.type == "cuda" and config.cuda_graphs else None
+        self.scheduler = Scheduler(BlockAllocator(spec), config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                  self.max_model_len, config.cuda_graphs)  # fmt: skip
+        if self.runner.use_graphs:
+            with self._phase("cuda_graphs"):  # every graph before ready: no capture on a request's path
+                self.runner.capture_all()
         with self._phase("warmup"):
             self.generate([[self.eos_token_ids[0]] * 4], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
 
@@ -120,7 +152,8 @@ class LLMEngine:
         Raises ValueError when the prompt is empty or prompt + max_tokens exceeds max_model_len.
         """
         self._check(prompt_ids, params)
-        stream = RequestStream(request_id or uuid.uuid4().hex, len(prompt_ids), asyncio.get_running_loop())
+        stream = RequestStream(request_id or uuid.uuid4().hex, len(prompt_ids), asyncio.get_running_loop(),
+                               self._outbox)  # fmt: skip
         seq = self._sequence(stream.request_id, prompt_ids, params, stream.push)
         seq.is_cancelled = lambda: stream.cancelled
         with self._wake:
@@ -141,6 +174,10 @@ class LLMEngine:
         return outputs
 
     @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.preemptions
+
+    @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
 
@@ -157,6 +194,7 @@ class LLMEngine:
             self._thread.join()
         for seq in [*self._inbox, *self.scheduler.waiting, *self.scheduler.running]:
             seq.emit(TokenEvent(None, "abort"))
+        self._outbox.flush()
         self._inbox.clear()
         self.scheduler.waiting.clear()
         self.scheduler.running.clear()
@@ -187,30 +225,23 @@ class LLMEngine:
                 log.exception("event=step_failed")
                 for seq in [*self.scheduler.running]:
                     self._finish(seq, TokenEvent(None, "error", error=f"{type(exc).__name__}: {exc}"))
+            self._outbox.flush()
 
     @torch.inference_mode()
     def _step(self) -> None:
         for seq in [*self.scheduler.waiting, *self.scheduler.running]:
             if seq.is_cancelled():
                 self._finish(seq, TokenEvent(None, "abort"))
-        for seq in self.scheduler.admit():
-            hidden = self.model.prefill(torch.tensor(seq.prompt, device=self.device), seq.slot, self.kv)
-            self._advance([seq], self.model.logits(hidden[-1:]))
-        running = list(self.scheduler.running)
-        if not running:
+        step = self.scheduler.schedule()
+        if not step:
             return
-        tokens = [s.output[-1] for s in running]
-        positions = [s.length - 1 for s in running]
-        if self.graphs is not None:
-            logits, argmax = self.graphs(tokens, positions)
-            self._advance(running, logits, argmax)
-        else:
-            span = span_bucket(max(positions) + 1, self.max_model_len)
-            logits = self.model.logits(
-                self.model.decode(torch.tensor(tokens, device=self.device),
-                                  torch.tensor(positions, device=self.device), self.kv, span)
-            )  # fmt: skip
-            self._advance(running, logits)
+        out = self.runner.run(step)
+        for work in step:
+            work.seq.computed = work.start + work.count
+        rows = [i for i, work in enumerate(step) if work.samples]  # partial prompt chunks sample nothing
+        if rows:
+            logits = out.logits if len(rows) == len(step) else out.logits[rows]
+            self._advance([step[i].seq for i in rows], logits, [out.argmax[i] for i in rows])
 
     def _advance(self, seqs: list[Sequence], logits: torch.Tensor, argmax: list[int] | None = None) -> None:
         params, outputs = [s.params for s in seqs], [s.output for s in seqs]

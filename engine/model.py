@@ -2,7 +2,7 @@
 
 The model owns no weights of its own: ``bind`` points it at processed tensors (from disk
 or from the cache process) without copying. Linear layers call the kernel their recipe
-names. Attention reads and writes a slot-based KV cache (engine/kv_cache.py).
+names. Attention reads and writes the paged KV cache (engine/kv_cache.py, engine/attention.py).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from cache.checkpoint.architecture import ModelShape
 from cache.processing import LinearRecipe, ProcessedWeights
 from engine.kernels import Kernel, kernel_for
+from engine.attention import StepBatch, paged_attention
 from engine.kv_cache import KVCache
 
 
@@ -124,7 +125,7 @@ class Layer:
 
 
 class Transformer:
-    """Forward passes over a flat token batch: ``prefill`` one sequence, ``decode`` many (one token each)."""
+    """One forward pass over a flat token batch: prompt chunks and decode tokens of many sequences."""
 
     def __init__(self, args: ModelArgs, weights: ProcessedWeights) -> None:
         self.args = args
@@ -218,57 +219,27 @@ class Transformer:
             delta = self._mlp(layer, h)
         return x.add_(delta) if delta is not None else x
 
-    def prefill(self, tokens: torch.Tensor, slot: int, kv: KVCache) -> torch.Tensor:
-        """Run a whole prompt [T] from position 0 into ``slot``; returns hidden states [T, hidden]."""
+    def forward(self, batch: StepBatch, kv: KVCache) -> torch.Tensor:
+        """Hidden states [T, hidden] of one step's flat tokens (prefill chunks and decode tokens of
+        several sequences); writes their keys and values into the cache first."""
         s = self.args.shape
-        n = tokens.shape[0]
-
-        def attention(i: int, layer: Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-            q, k, v = self._qkv(layer, h, cos, sin)
-            kv.write_prompt(i, slot, k, v)
-            # [1, heads, T, d] against [1, kv_heads, T, d]: causal, grouped-query.
-            attn = F.scaled_dot_product_attention(
-                q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-                is_causal=True, scale=self.scale, enable_gqa=s.heads != s.kv_heads,
-            )  # fmt: skip
-            return attn.squeeze(0).transpose(0, 1).reshape(n, s.heads * s.head_dim)
-
-        return self._forward(tokens, torch.arange(n, device=self.device), attention)
-
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, kv: KVCache, span: int) -> torch.Tensor:
-        """One token for each of the first B slots (token b belongs to slot b, at positions[b]).
-
-        ``span`` >= max(positions) + 1 bounds how much of each slot's cache attention reads.
-        """
-        s = self.args.shape
-        b = tokens.shape[0]
-        # Key j of slot b is visible when j <= positions[b]. Additive, built once per step:
-        # a boolean mask would be converted to this inside every layer's attention call.
-        hidden = torch.arange(span, device=self.device)[None, :] > positions[:, None]
-        mask = torch.zeros(b, 1, 1, span, dtype=self.dtype, device=self.device).masked_fill_(
-            hidden.view(b, 1, 1, span), float("-inf")
-        )
 
         def attention(i: int, layer: Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
             merged = self._fusable_qkv(layer)
             if merged is not None:
                 from engine.fused_ops import rope_kv_write
 
-                q = rope_kv_write(merged(h), cos, sin, kv.k[i], kv.v[i], positions, s.heads, s.kv_heads)
+                q = rope_kv_write(merged(h), cos, sin, kv.k[i], kv.v[i], batch.slots, s.heads, s.kv_heads)
             else:
                 q, k, v = self._qkv(layer, h, cos, sin)
-                kv.write_tokens(i, k, v, positions)
-            keys, values = kv.view(i, b, span)
-            attn = F.scaled_dot_product_attention(
-                q.unsqueeze(2), keys, values, attn_mask=mask, scale=self.scale, enable_gqa=s.heads != s.kv_heads
-            )
-            return attn.reshape(b, s.heads * s.head_dim)
+                kv.write(i, k, v, batch.slots)
+            return paged_attention(q, kv.k[i], kv.v[i], batch, self.scale)
 
-        return self._forward(tokens, positions, attention)
+        return self._forward(batch.tokens, batch.positions, attention)
 
     def _fusable_qkv(self, layer: Layer) -> Linear | None:
-        """The merged q/k/v projection when CUDA decode can rotate q/k and write the cache in one
-        kernel: nothing between projection and rotation (no q/k norm), head_dim a power of two."""
+        """The merged q/k/v projection when CUDA can rotate q/k and write the cache in one kernel:
+        nothing between projection and rotation (no q/k norm), head_dim a power of two."""
         d = self.args.shape.head_dim
         if self.fused and layer.q_norm is None and d & (d - 1) == 0:
             return layer.qkv.merged

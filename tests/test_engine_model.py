@@ -12,10 +12,12 @@ from cache.checkpoint.synth import SHAPES, synth_checkpoint
 from cache.processing import FP8_DEQUANT, LinearRecipe
 from engine.config import EngineConfig
 from engine.kernels import UnknownKernel, kernel_for
-from engine.kv_cache import KVCache, KVCacheSpec
+from engine.kv_cache import BlockAllocator, KVCache, KVCacheSpec
 from engine.llm_engine import LLMEngine
 from engine.model import ModelArgs, Transformer
+from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduled, Sequence
 from engine.weights import DiskWeights
 
 PROMPTS = [
@@ -61,6 +63,17 @@ def _reference_model(path: Path, ckpt_path: Path | None = None):
     return model
 
 
+def _prompt_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
+    """Logits of every prompt position, from one eager forward through the engine's paged cache."""
+    seq = Sequence("logits", ids, GREEDY, lambda event: None)
+    allocator = engine.scheduler.allocator
+    assert allocator.grow(seq.blocks, len(ids))
+    try:
+        return engine.model.logits(engine.runner.hidden_states([Scheduled(seq, 0, len(ids))]))
+    finally:
+        allocator.release(seq.blocks)
+
+
 def test_bf16_demo_greedy_matches_transformers(demo_path, prompt_ids) -> None:
     # Both sides compute in float32 (the engine's CPU default) on the same bf16 weights.
     path = demo_path("bf16")
@@ -74,10 +87,9 @@ def test_fp8_block_demo_logits_and_greedy_match_dequantized_reference(demo_path,
     path = demo_path("fp8-block")
     engine = _engine(path)
     reference = _reference_model(demo_path("bf16"), path)
-    kv = engine.kv
     for ids in prompt_ids:
         with torch.no_grad():
-            ours = engine.model.logits(engine.model.prefill(torch.tensor(ids), 0, kv))
+            ours = _prompt_logits(engine, ids)
             ref = reference(torch.tensor([ids])).logits[0]
         rel = float((ours - ref).norm() / ref.norm())
         assert rel < 1e-2, rel
@@ -202,12 +214,16 @@ def test_model_variants_match_transformers(tmp_path: Path, variant: str) -> None
     loaded = DiskWeights(path).load(torch.device("cpu"), torch.float32)
     args = ModelArgs.from_config(loaded.config)
     model = Transformer(args, loaded.weights)
-    kv = KVCache(args.shape, KVCacheSpec.plan(args.shape, torch.float32, 1, 512, None), torch.float32, model.device)
-    ids = torch.randint(0, 256, (300,), generator=gen)  # past 64 positions: llama3 scaling matters
+    kv = KVCache(args.shape, KVCacheSpec.plan(args.shape, torch.float32, 1, 512, None, 16), torch.float32, model.device)
+    runner = ModelRunner(model, kv, max_seqs=1, max_tokens=512, max_model_len=512, cuda_graphs=False)
+    seq = Sequence("v", torch.randint(0, 256, (300,), generator=gen).tolist(), GREEDY, lambda event: None)
+    ids = torch.tensor(seq.prompt)  # past 64 positions: llama3 scaling matters
+    assert BlockAllocator(kv.spec).grow(seq.blocks, 301)
     with torch.no_grad():
-        ours = model.logits(model.prefill(ids, 0, kv))
+        ours = model.logits(runner.hidden_states([Scheduled(seq, 0, 300)]))
         ref = reference(ids[None]).logits[0]
         assert float((ours - ref).abs().max()) < 1e-3 * float(ref.abs().max())
-        step = model.logits(model.decode(ids[-1:].clone(), torch.tensor([300]), kv, 320))
+        seq.output.append(int(ids[-1]))  # one decode step on top of the cached prompt
+        step = model.logits(runner.hidden_states([Scheduled(seq, 300, 1)]))
         ref_step = reference(torch.cat([ids, ids[-1:]])[None]).logits[0, -1]
         assert float((step[0] - ref_step).abs().max()) < 1e-3 * float(ref_step.abs().max())

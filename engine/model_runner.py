@@ -1,0 +1,217 @@
+"""Runs one scheduled step through the model: inputs staged in one copy, a CUDA graph when there is one.
+
+Inputs live in fixed buffers (pinned on the host, mirrored on the device), so every step, eager
+or graphed, reads the same tensors. On CUDA every graph is captured at start-up, before the
+worker reports ready: decode steps (one token per sequence) by batch size, and mixed steps
+(prompt chunks with decode tokens) by total tokens, with room for every sequence. Padding rows
+write their keys into the null block and belong to no sequence; padding sequences have no rows.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.attention import StepBatch
+from engine.kv_cache import KVCache
+from engine.model import Transformer
+from engine.scheduler import Scheduled
+
+
+def decode_buckets(max_seqs: int) -> list[int]:
+    """Batch sizes with a decode graph: 1, 2, 4, 8, then every 8 up to 64, every 16 after."""
+    sizes = {1, 2, 4, 8, *range(16, 65, 8), *range(80, max_seqs + 1, 16), max_seqs}
+    return sorted(s for s in sizes if s <= max_seqs)
+
+
+def mixed_buckets(max_tokens: int) -> list[int]:
+    """Step sizes (tokens) with a mixed-step graph: powers of two from 32, and the budget itself."""
+    return sorted({*(1 << i for i in range(5, max_tokens.bit_length()) if 1 << i < max_tokens), max_tokens})
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    logits: torch.Tensor  # [S, vocab] float32, row s for the step's s-th sequence
+    argmax: list[int]  # row-wise argmax of logits
+
+
+class ModelRunner:
+    def __init__(self, model: Transformer, kv: KVCache, max_seqs: int, max_tokens: int, max_model_len: int,
+                 cuda_graphs: bool) -> None:  # fmt: skip
+        self.model = model
+        self.kv = kv
+        self.device = model.device
+        self.block_size = kv.block_size
+        self.max_seqs = max_seqs
+        self.max_tokens = max(max_tokens, max_seqs)  # a decode step of every sequence always fits
+        self.width = math.ceil(max_model_len / self.block_size)  # block-table columns
+        t, s = self.max_tokens, self.max_seqs
+        # One int64 buffer: tokens, positions, slots [T]; logits rows [S]; query starts [S + 1]; lengths [S].
+        self.offsets = {"tokens": 0, "positions": t, "slots": 2 * t, "logits": 3 * t, "starts": 3 * t + s,
+                        "lengths": 3 * t + 2 * s + 1, "end": 3 * t + 3 * s + 1}  # fmt: skip
+        pin = self.device.type == "cuda"
+        self.host = torch.zeros(self.offsets["end"], dtype=torch.long, pin_memory=pin)
+        self.host_np = self.host.numpy()
+        self.host_tables = torch.zeros(s, self.width, dtype=torch.int32, pin_memory=pin)
+        self.host_tables_np = self.host_tables.numpy()
+        self.meta = torch.zeros_like(self.host, device=self.device)
+        self.tables = torch.zeros_like(self.host_tables, device=self.device)
+        self.argmax_host = torch.zeros(s, dtype=torch.long, pin_memory=pin)
+        self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.use_graphs = cuda_graphs and self.device.type == "cuda"
+        self.decode_sizes = decode_buckets(s)
+        self.mixed_sizes = mixed_buckets(self.max_tokens)
+        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+
+    # -- inputs ----------------------------------------------------------------------------
+
+    def _stage(self, step: list[Scheduled], tokens: int, seqs: int) -> int:
+        """Write the step's inputs into the host buffer, padded to ``tokens`` rows and ``seqs`` sequences."""
+        o, h, bs = self.offsets, self.host_np, self.block_size
+        tok, pos, slot = h[o["tokens"] :], h[o["positions"] :], h[o["slots"] :]
+        logits, starts, lengths = h[o["logits"] :], h[o["starts"] :], h[o["lengths"] :]
+        t = 0
+        for i, work in enumerate(step):
+            seq, start, n = work.seq, work.start, work.count
+            table = seq.blocks
+            if n == 1:
+                tok[t] = seq.token_at(start)
+                pos[t] = start
+                slot[t] = table[start // bs] * bs + start % bs
+            else:
+                tok[t : t + n] = seq.token_slice(start, start + n)
+                p = np.arange(start, start + n)
+                pos[t : t + n] = p
+                slot[t : t + n] = np.asarray(table)[p // bs] * bs + p % bs
+            starts[i] = t
+            lengths[i] = start + n
+            logits[i] = t + n - 1
+            self.host_tables_np[i, : len(table)] = table
+            t += n
+        real = len(step)
+        tok[t:tokens] = 0
+        pos[t:tokens] = 0
+        slot[t:tokens] = 0  # the null block
+        starts[real : seqs + 1] = t
+        lengths[real:seqs] = 0
+        logits[real:seqs] = 0
+        return t
+
+    def _batch(self, tokens: int, seqs: int, max_query_len: int) -> StepBatch:
+        o, m = self.offsets, self.meta
+        return StepBatch(
+            tokens=m[o["tokens"] : o["tokens"] + tokens],
+            positions=m[o["positions"] : o["positions"] + tokens],
+            slots=m[o["slots"] : o["slots"] + tokens],
+            query_start=m[o["starts"] : o["starts"] + seqs + 1],
+            seq_lens=m[o["lengths"] : o["lengths"] + seqs],
+            block_tables=self.tables[:seqs],
+            logits_indices=m[o["logits"] : o["logits"] + seqs],
+            max_query_len=max_query_len,
+            block_size=self.block_size,
+        )
+
+    def _upload(self, seqs: int) -> None:
+        self.meta.copy_(self.host, non_blocking=True)
+        self.tables[:seqs].copy_(self.host_tables[:seqs], non_blocking=True)
+
+    # -- running ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def run(self, step: list[Scheduled]) -> StepOutput:
+        """Logits of each scheduled sequence's last token this step (meaningful where ``samples``)."""
+        seqs = len(step)
+        decode = all(w.count == 1 for w in step)
+        tokens = sum(w.count for w in step)
+        if self.use_graphs:
+            key = ("decode", _bucket(self.decode_sizes, seqs)) if decode else ("mixed", _bucket(self.mixed_sizes, tokens))
+            n_tokens, n_seqs = (key[1], key[1]) if decode else (key[1], self.max_seqs)
+            self._stage(step, n_tokens, n_seqs)
+            self._upload(n_seqs)
+            graph, logits = self.graphs.get(key) or self._capture(key)
+            graph.replay()
+            torch.cuda.current_stream().synchronize()
+            return StepOutput(logits[:seqs], self.argmax_host[:seqs].tolist())
+        self._stage(step, tokens, seqs)
+        self._upload(seqs)
+        batch = self._batch(tokens, seqs, max(w.count for w in step))
+        if self.device.type == "cpu":
+            self._host_metadata(batch, step)
+        logits = self._forward(batch)
+        return StepOutput(logits, logits.argmax(dim=-1).tolist())
+
+    @torch.inference_mode()
+    def hidden_states(self, step: list[Scheduled]) -> torch.Tensor:
+        """Hidden states [T, hidden] of every token of the step, eager (tests and benchmarks)."""
+        tokens = sum(w.count for w in step)
+        self._stage(step, tokens, len(step))
+        self._upload(len(step))
+        batch = self._batch(tokens, len(step), max(w.count for w in step))
+        if self.device.type == "cpu":
+            self._host_metadata(batch, step)
+        return self.model.forward(batch, self.kv)
+
+    def _forward(self, batch: StepBatch) -> torch.Tensor:
+        hidden = self.model.forward(batch, self.kv)
+        return self.model.logits(hidden[batch.logits_indices])
+
+    def _host_metadata(self, batch: StepBatch, step: list[Scheduled]) -> None:
+        """The CPU attention walks sequences on the host: each one's query rows and context slots."""
+        bs = self.block_size
+        batch.query_lens = [w.count for w in step]
+        batch.context_slots = []
+        for w in step:
+            p = np.arange(w.start + w.count)
+            slots = np.asarray(w.seq.blocks)[p // bs] * bs + p % bs
+            batch.context_slots.append(torch.from_numpy(slots))
+
+    # -- CUDA graphs ---------------------------------------------------------------------------
+
+    def capture_all(self) -> float:
+        """Capture every graph now (largest first, sharing one memory pool); returns the seconds it took."""
+        begin = time.perf_counter()
+        keys = [("mixed", t) for t in self.mixed_sizes] + [("decode", b) for b in self.decode_sizes]
+        for key in sorted(keys, key=lambda k: -k[1]):
+            self._capture(key)
+        torch.cuda.synchronize()
+        return time.perf_counter() - begin
+
+    def _capture(self, key: tuple[str, int]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        kind, size = key
+        tokens, seqs, max_query_len = (size, size, 1) if kind == "decode" else (size, self.max_seqs, size)
+        # Dummy inputs: every row a query of one empty-context sequence in the null block.
+        self.host.zero_()
+        starts = self.offsets["starts"]
+        self.host_np[starts : starts + seqs + 1] = np.minimum(np.arange(seqs + 1), tokens)
+        self.host_np[self.offsets["lengths"] : self.offsets["lengths"] + seqs] = 1
+        self.host_tables_np[:seqs] = 0
+        self._upload(seqs)
+        batch = self._batch(tokens, seqs, max_query_len)
+
+        def run() -> torch.Tensor:
+            logits = self._forward(batch)
+            self.argmax_host[:seqs].copy_(logits.argmax(dim=-1), non_blocking=True)
+            return logits
+
+        # Warm up on a side stream first (lazy inits, Triton compiles) so capture records only kernels.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = run()
+        self.graphs[key] = (graph, out)
+        return graph, out
+
+
+def _bucket(sizes: list[int], n: int) -> int:
+    for size in sizes:
+        if size >= n:
+            return size
+    raise ValueError(f"a step of {n} exceeds the largest graph ({sizes[-1]})")

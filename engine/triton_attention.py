@@ -1,0 +1,104 @@
+"""Paged attention in Triton: one kernel for prefill chunks and decode tokens in the same step.
+
+A program takes BLOCK_Q query rows of one sequence and one KV head, with the GROUP query heads
+that share that head stacked as rows (grouped-query attention reads each key tile once for all
+of them), and walks the sequence's keys up to its last row's position through the block table,
+in tiles of BLOCK_N positions, with an online softmax in fp32. Programs past a sequence's rows
+return at once, so the grid may be an upper bound: a CUDA graph captures it for the largest
+step of its size and replays it for any mix of sequences.
+
+Metadata as engine/attention.py's StepBatch describes it; the torch version there is the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.attention import StepBatch
+
+MIN_ROWS = 16  # tl.dot needs at least 16 rows
+
+
+@triton.jit
+def _paged_attention(
+    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr, query_start_ptr, scale,
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_table,
+    GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    q_block = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    q_begin = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_begin
+    if q_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - q_len  # positions before this step's tokens
+
+    rows = tl.arange(0, BLOCK_Q * GROUP_P2)
+    q_index = q_block * BLOCK_Q + rows // GROUP_P2  # which of the sequence's query rows
+    head = kv_head * GROUP + rows % GROUP_P2
+    row_ok = (q_index < q_len) & (rows % GROUP_P2 < GROUP)
+    dims = tl.arange(0, D_P2)
+    dim_ok = dims < D
+    q = tl.load(q_ptr + (q_begin + q_index)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)  # fmt: skip
+    q_pos = context + q_index
+
+    m_i = tl.full([BLOCK_Q * GROUP_P2], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_Q * GROUP_P2], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_P2, D_P2], dtype=tl.float32)
+    qk_scale = scale * 1.4426950408889634  # exp2 below
+    end = tl.minimum(seq_len, context + (q_block + 1) * BLOCK_Q)  # past the block's last row: invisible
+    for start in range(0, end, BLOCK_N):
+        k_pos = start + tl.arange(0, BLOCK_N)
+        k_ok = k_pos < end
+        block = tl.load(tables_ptr + seq * stride_table + k_pos // PAGE, mask=k_ok, other=0)
+        slot = block.to(tl.int64) * PAGE + k_pos % PAGE
+        kv_mask = k_ok[:, None] & dim_ok[None, :]
+        k = tl.load(k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + dims[None, :], mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k)) * qk_scale
+        visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet (padding)
+        p = tl.math.exp2(scores - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + dims[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + (q_begin + q_index)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])  # fmt: skip
+
+
+def launch_shape(group: int, max_query_len: int) -> tuple[int, int]:
+    """(query rows per program, key positions per tile): single rows for decode, 64-row tiles for prefill."""
+    group_p2 = triton.next_power_of_2(group)
+    if max_query_len == 1:
+        return max(1, MIN_ROWS // group_p2), 64
+    return max(1, 64 // group_p2), 64
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: StepBatch,
+                    scale: float) -> torch.Tensor:  # fmt: skip
+    """q [T, heads, d] against one layer's cache [slots, kv_heads, d] -> [T, heads * d]."""
+    t, heads, d = q.shape
+    kv_heads = k_cache.shape[1]
+    group = heads // kv_heads
+    block_q, block_n = launch_shape(group, batch.max_query_len)
+    out = torch.empty(t, heads, d, dtype=q.dtype, device=q.device)
+    seqs = batch.seq_lens.shape[0]
+    grid = (seqs, triton.cdiv(batch.max_query_len, block_q), kv_heads)
+    _paged_attention[grid](
+        q, k_cache, v_cache, out, batch.block_tables, batch.seq_lens, batch.query_start, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
+        batch.block_tables.stride(0), GROUP=group, GROUP_P2=triton.next_power_of_2(group), BLOCK_Q=block_q,
+        BLOCK_N=block_n, PAGE=batch.block_size, D=d, D_P2=triton.next_power_of_2(d), num_warps=4, num_stages=2,
+    )  # fmt: skip
+    return out.view(t, heads * d)
+
