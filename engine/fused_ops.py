@@ -29,7 +29,7 @@ def pdl_enter(USE_PDL: tl.constexpr):
 
 @functools.cache
 def pdl_enabled(device: torch.device) -> bool:
-    return PDL and torch.cuda.get_device_capability(device)[0] >= 9
+    return PDL and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 @triton.jit

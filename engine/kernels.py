@@ -57,26 +57,33 @@ def _finish(y: torch.Tensor, t: Tensors, r: LinearRecipe) -> torch.Tensor:
 
 
 SMALL_M = 64  # up to this many rows (decode), the Triton kernel beats cuBLAS' blockwise scaled_mm
+# cuBLAS' blockwise kernels refuse some row counts (CUBLAS_STATUS_NOT_SUPPORTED from the heuristic
+# query, e.g. M = 157..161 on the H200): rows are padded to this multiple, which every M in the
+# sweep of bench/cublas_blockwise_rule.py accepted (bench/results/cublas_blockwise_rule.json).
+CUBLAS_BLOCKWISE_ROWS = 16
 
 
 def fp8_block_scaled_mm(x: torch.Tensor, t: Tensors, r: LinearRecipe) -> torch.Tensor:
     """Hopper+: activations quantized per token and group of 128, weights in 128x128 blocks.
 
-    cuBLAS' blockwise scaled_mm for large M when its layout rules hold (scale dimensions in
-    multiples of 4 blocks); the Triton kernel, with the same numerics, otherwise.
+    cuBLAS' blockwise scaled_mm for large M when its layout rules hold (rows padded to
+    CUBLAS_BLOCKWISE_ROWS, scale dimensions in multiples of 4 blocks); the Triton kernel, with
+    the same numerics, otherwise.
     """
     from torch.nn.functional import ScalingType, scaled_mm
 
+    m = x.shape[0]
     xp = _pad_k(x, r)
     nb, kb = t["weight_scale"].shape
-    if x.shape[0] <= SMALL_M or nb % 4 or kb % 4:
+    if m <= SMALL_M or nb % 4 or kb % 4:
         from engine.triton_fp8 import fp8_block_gemm
 
         return _finish(fp8_block_gemm(xp.contiguous(), t["weight"], t["weight_scale"]), t, r)
-    xq, xs = quantize_per_token_group(xp)
+    pad = -m % CUBLAS_BLOCKWISE_ROWS
+    xq, xs = quantize_per_token_group(F.pad(xp, (0, 0, 0, pad)) if pad else xp)
     y = scaled_mm(xq, t["weight"].t(), xs, ScalingType.BlockWise1x128, t["weight_scale"].t(),
                   ScalingType.BlockWise128x128, output_dtype=x.dtype)  # fmt: skip
-    return _finish(y, t, r)
+    return _finish(y[:m] if pad else y, t, r)
 
 
 def fp8_rowwise_scaled_mm(x: torch.Tensor, t: Tensors, r: LinearRecipe) -> torch.Tensor:

@@ -128,7 +128,10 @@ class ModelRunner:
         decode = all(w.count == 1 for w in step)
         tokens = sum(w.count for w in step)
         if self.use_graphs:
-            key = ("decode", _bucket(self.decode_sizes, seqs)) if decode else ("mixed", _bucket(self.mixed_sizes, tokens))
+            if decode:
+                key = ("decode", _bucket(self.decode_sizes, seqs))
+            else:
+                key = ("mixed", _bucket(self.mixed_sizes, tokens))
             n_tokens, n_seqs = (key[1], key[1]) if decode else (key[1], self.max_seqs)
             self._stage(step, n_tokens, n_seqs)
             self._upload(n_seqs)

@@ -337,8 +337,11 @@ class HealthResponse(OpenAIModel):
     running: int
     waiting: int
     in_flight: int
+    preemptions: int = 0  # sequences whose KV blocks were taken back for others (recomputed later)
+    kv_blocks_free: int = 0
+    kv_blocks_total: int = 0
     weights: WeightsInfo
-    startup_phases: dict[str, float]  # seconds: device_init, weight_load, model_init, kv_alloc, warmup
+    startup_phases: dict[str, float]  # seconds: device_init, weight_load, model_init, kv_alloc, cuda_graphs, warmup
 
 
 class DrainRequest(OpenAIModel):

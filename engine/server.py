@@ -466,6 +466,9 @@ def create_app(engine: LLMEngine, tokenizer: ChatTokenizer) -> FastAPI:
             running=engine.num_running,
             waiting=engine.num_waiting,
             in_flight=api.admission.in_flight,
+            preemptions=engine.num_preemptions,
+            kv_blocks_free=len(engine.scheduler.allocator.free),
+            kv_blocks_total=engine.kv.spec.blocks - 1,
             weights=weights_info,
             startup_phases=engine.startup_phases,
         )

@@ -157,6 +157,39 @@ def test_concurrent_chat_and_completions(worker: Worker, tokenizer: ChatTokenize
     assert text_stream[-1]["usage"] == text_body["usage"]
 
 
+def test_concurrent_prompts_of_every_length_in_a_tight_kv_cache(model: Path, tmp_path: Path) -> None:
+    """16 clients at once, prompts of 1-600 tokens, prefilled in 128-token chunks, with KV blocks for fewer
+    tokens than they need together (the engine preempts and recomputes): each stream's text is what the
+    same request gets alone, and /health counts the preemptions."""
+    per_token = 30 * 2 * 3 * 64 * 4  # the demo in fp32
+    worker = start_worker(tmp_path, model, max_num_seqs=16, max_num_batched_tokens=128,
+                          kv_cache_bytes=per_token * 16 * 66)  # fmt: skip
+    lengths = [1, 7, 40, 64, 65, 100, 128, 129, 200, 257, 300, 333, 400, 480, 555, 600]
+    prompts = [[(i * 7919 + j * 104729) % 40000 + 100 for j in range(n)] for i, n in enumerate(lengths)]
+
+    def body(prompt: list[int]) -> dict[str, Any]:
+        return {"prompt": prompt, "temperature": 0, "max_tokens": 12, "ignore_eos": True}
+
+    def text(events: list[dict[str, Any]]) -> str:
+        return "".join(e["choices"][0]["text"] for e in events if e["choices"])
+
+    async def together() -> list[list[dict[str, Any]]]:
+        async with worker.client() as client:
+            return await asyncio.gather(*(read_stream(client, "/v1/completions", body(p)) for p in prompts))
+
+    try:
+        concurrent = [text(events) for events in asyncio.run(together())]
+        with worker.sync_client() as client:
+            health = client.get("/health").json()
+            alone = [client.post("/v1/completions", json=body(p)).json()["choices"][0]["text"] for p in prompts]
+        assert health["preemptions"] > 0, health
+        assert health["kv_blocks_free"] == health["kv_blocks_total"], "every block returned"
+        for n, got, expected in zip(lengths, concurrent, alone, strict=True):
+            assert got == expected, n
+    finally:
+        stop_worker(worker)
+
+
 BAD_REQUESTS = [
     ("/v1/chat/completions", {"temperature": 0}, 400, "messages"),
     ("/v1/chat/completions", {"messages": FRANCE, "temperature": -1}, 400, "temperature"),

@@ -16,24 +16,26 @@ pytestmark = pytest.mark.gpu
 BLOCK = LinearScheme(WeightKind.FP8_BLOCK, Activations.DYNAMIC_GROUP)
 
 
-@pytest.mark.parametrize("m", [1, 7, 64, 300])
-@pytest.mark.parametrize(("n", "k"), [(576, 1536), (192, 576), (1024, 2048)])
-def test_block_fp8_kernel_matches_dequantized_reference(m: int, n: int, k: int) -> None:
+@pytest.mark.parametrize(("n", "k"), [(576, 1536), (192, 576), (1024, 2048), (4096, 4096)])
+def test_block_fp8_kernel_matches_dequantized_reference_for_every_m(n: int, k: int) -> None:
+    """Every row count 1-300 and a stride up to 4096: both the Triton (small M) and cuBLAS paths."""
     from engine.kernels import fp8_block_scaled_mm, quantize_per_token_group
 
     dev = torch.device("cuda")
     assert select_kernel(BLOCK, dev) == FP8_BLOCK_SCALED_MM
-    gen = torch.Generator(device=dev).manual_seed(m + n + k)
+    gen = torch.Generator(device=dev).manual_seed(n + k)
     w = (torch.randn(n, k, device=dev, generator=gen) * 0.02).to(torch.bfloat16)
     q, s = quantize_weight(w, WeightKind.FP8_BLOCK)
     tensors, recipe = process_linear(BLOCK, FP8_BLOCK_SCALED_MM, {"weight": q, "weight_scale": s}, torch.bfloat16, dev)
-    x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
-    xq, xs = quantize_per_token_group(torch.nn.functional.pad(x, (0, recipe.padded_in - k)))
-    x_deq = (xq.float().view(m, -1, 128) * xs.unsqueeze(-1)).view(m, -1)[:, :k]
-    ref = x_deq @ dequantize_weight(q, s, WeightKind.FP8_BLOCK, torch.float32).t()
-    got = fp8_block_scaled_mm(x, tensors, recipe).float()
-    assert got.shape == (m, n)
-    assert float((got - ref).norm() / ref.norm()) < 1e-2
+    w_deq = dequantize_weight(q, s, WeightKind.FP8_BLOCK, torch.float32)
+    for m in [*range(1, 301), *range(317, 4097, 241), 4096]:
+        x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
+        xq, xs = quantize_per_token_group(torch.nn.functional.pad(x, (0, recipe.padded_in - k)))
+        x_deq = (xq.float().view(m, -1, 128) * xs.unsqueeze(-1)).view(m, -1)[:, :k]
+        ref = x_deq @ w_deq.t()
+        got = fp8_block_scaled_mm(x, tensors, recipe).float()
+        assert got.shape == (m, n)
+        assert float((got - ref).norm() / ref.norm()) < 1e-2, m
 
 
 def test_fused_norm_and_rope_match_torch() -> None:
@@ -62,15 +64,18 @@ def test_cuda_graph_decode_equals_eager(tmp_path: Path) -> None:
     path = synth_checkpoint(tmp_path / "q", "qwen3-0.6b", "fp8-block", num_layers=2, device="cuda", progress=False)
     prompts = [[5, 6, 7] * 9, [11, 12] * 4, [3] * 40]
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
-    graphed = LLMEngine(EngineConfig(model=path, device="cuda", max_num_seqs=4, max_model_len=256))
-    assert graphed.graphs is not None
+    graphed = LLMEngine(EngineConfig(model=path, device="cuda", max_num_seqs=4, max_model_len=256,
+                                     max_num_batched_tokens=64))  # fmt: skip
+    runner = graphed.runner
+    expected = {("decode", b) for b in runner.decode_sizes} | {("mixed", t) for t in runner.mixed_sizes}
+    assert set(runner.graphs) == expected, "every graph is captured at start-up"
     a = graphed.generate(prompts, params)
     eager = LLMEngine(EngineConfig(model=path, device="cuda", max_num_seqs=4, max_model_len=256, cuda_graphs=False))
     assert a == eager.generate(prompts, params)
 
 
-def test_fused_silu_mul_strided_rope_and_kv_write() -> None:
-    from engine.fused_ops import kv_write, rope, silu_mul
+def test_fused_silu_mul_and_strided_rope() -> None:
+    from engine.fused_ops import rope, silu_mul
     from engine.model import apply_rope
 
     dev = torch.device("cuda")
@@ -83,38 +88,30 @@ def test_fused_silu_mul_strided_rope_and_kv_write() -> None:
     angles = torch.rand(4, 32, device=dev) * 6
     torch.testing.assert_close(rope(q, angles.cos(), angles.sin()), apply_rope(q, angles.cos(), angles.sin()))
 
-    cache_k = torch.zeros(6, 3, 32, 64, device=dev, dtype=torch.bfloat16)
-    cache_v = torch.zeros_like(cache_k)
-    k = torch.randn(4, 3, 64, device=dev, dtype=torch.bfloat16)
-    v = qkv[:, 9 * 64 + 3 * 64 :].view(4, 3, 64)
-    positions = torch.tensor([0, 5, 31, 7], device=dev)
-    kv_write(cache_k, cache_v, k, v, positions)
-    for b in range(4):
-        assert torch.equal(cache_k[b, :, positions[b]], k[b]) and torch.equal(cache_v[b, :, positions[b]], v[b])
-    assert int((cache_k != 0).any(dim=-1).sum()) == 4 * 3, "nothing else written"
 
 
 @pytest.mark.parametrize("kind", [WeightKind.FP8_CHANNEL, WeightKind.FP8_TENSOR])
-@pytest.mark.parametrize("m", [1, 16, 300])
-def test_rowwise_fp8_kernel_matches_dequantized_reference(kind: WeightKind, m: int) -> None:
+def test_rowwise_fp8_kernel_matches_dequantized_reference_for_every_m(kind: WeightKind) -> None:
     from cache.processing import FP8_ROWWISE_SCALED_MM
     from engine.kernels import fp8_rowwise_scaled_mm, quantize_per_token
 
     dev = torch.device("cuda")
     scheme = LinearScheme(kind, Activations.DYNAMIC_TOKEN)
     assert select_kernel(scheme, dev) == FP8_ROWWISE_SCALED_MM
-    gen = torch.Generator(device=dev).manual_seed(m)
+    gen = torch.Generator(device=dev).manual_seed(7)
     n, k = 1536, 576
     w = (torch.randn(n, k, device=dev, generator=gen) * 0.02).to(torch.bfloat16)
     q, s = quantize_weight(w, kind)
     tensors, recipe = process_linear(scheme, FP8_ROWWISE_SCALED_MM, {"weight": q, "weight_scale": s},
                                      torch.bfloat16, dev)  # fmt: skip
-    x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
-    xq, xs = quantize_per_token(x)
-    ref = (xq.float() * xs) @ dequantize_weight(q, s, kind, torch.float32).t()
-    got = fp8_rowwise_scaled_mm(x, tensors, recipe).float()
-    assert got.shape == (m, n)
-    assert float((got - ref).norm() / ref.norm()) < 1e-2
+    w_deq = dequantize_weight(q, s, kind, torch.float32)
+    for m in [*range(1, 301), *range(317, 4097, 241), 4096]:
+        x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
+        xq, xs = quantize_per_token(x)
+        ref = (xq.float() * xs) @ w_deq.t()
+        got = fp8_rowwise_scaled_mm(x, tensors, recipe).float()
+        assert got.shape == (m, n)
+        assert float((got - ref).norm() / ref.norm()) < 1e-2, m
 
 
 @pytest.mark.parametrize(("n", "k", "split_k"), [(4096, 4096, 8), (6144, 4096, 4), (4096, 14336, 8), (1024, 2048, 2)])
@@ -143,22 +140,109 @@ def test_fused_rope_kv_write_matches_separate_ops() -> None:
     from engine.model import apply_rope
 
     dev = torch.device("cuda")
-    heads, kv_heads, dim, b = 8, 2, 128, 3
-    qkv = torch.randn(b, (heads + 2 * kv_heads) * dim, device=dev, dtype=torch.bfloat16)
-    angles = torch.rand(b, dim // 2, device=dev) * 6
+    heads, kv_heads, dim, t = 8, 2, 128, 70
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * dim, device=dev, dtype=torch.bfloat16)
+    angles = torch.rand(t, dim // 2, device=dev) * 6
     cos, sin = angles.cos(), angles.sin()
-    k_cache = torch.zeros(4, kv_heads, 64, dim, device=dev, dtype=torch.bfloat16)
+    k_cache = torch.zeros(4 * 64, kv_heads, dim, device=dev, dtype=torch.bfloat16)
     v_cache = torch.zeros_like(k_cache)
-    positions = torch.tensor([0, 63, 9], device=dev)
-    q = rope_kv_write(qkv, cos, sin, k_cache, v_cache, positions, heads, kv_heads)
-    q_ref = apply_rope(qkv[:, : heads * dim].view(b, heads, dim), cos, sin)
-    k_ref = apply_rope(qkv[:, heads * dim : (heads + kv_heads) * dim].view(b, kv_heads, dim), cos, sin)
-    v_ref = qkv[:, (heads + kv_heads) * dim :].view(b, kv_heads, dim)
+    slots = torch.randperm(4 * 64, device=dev)[:t]
+    q = rope_kv_write(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads)
+    q_ref = apply_rope(qkv[:, : heads * dim].view(t, heads, dim), cos, sin)
+    k_ref = apply_rope(qkv[:, heads * dim : (heads + kv_heads) * dim].view(t, kv_heads, dim), cos, sin)
+    v_ref = qkv[:, (heads + kv_heads) * dim :].view(t, kv_heads, dim)
     torch.testing.assert_close(q, q_ref)
-    for i in range(b):
-        torch.testing.assert_close(k_cache[i, :, positions[i]], k_ref[i])
-        assert torch.equal(v_cache[i, :, positions[i]], v_ref[i])
-    assert int((k_cache != 0).any(dim=-1).sum()) == b * kv_heads, "nothing else written"
+    torch.testing.assert_close(k_cache[slots], k_ref)
+    assert torch.equal(v_cache[slots], v_ref)
+    assert int((k_cache != 0).any(dim=-1).sum()) == t * kv_heads, "nothing else written"
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(32, 8, 128), (9, 3, 64), (16, 8, 128)])
+def test_paged_attention_kernel_matches_reference(heads: int, kv_heads: int, dim: int) -> None:
+    """Decode rows, fresh prompts and later chunks of long prompts in one launch, in bf16."""
+    from attention_cases import check_paged_attention
+
+    check_paged_attention(torch.device("cuda"), torch.bfloat16, heads, kv_heads, dim, tolerance=2e-2)
+
+
+def _reference_logits(path: Path, tokens: list[int]) -> torch.Tensor:
+    """Every position's logits from a plain-torch fp32 forward over dequantized weights (full causal SDPA)."""
+    from cache.checkpoint.reader import read_checkpoint
+    from engine.model import ModelArgs, apply_rope, rms_norm, rope_inv_freq
+
+    ckpt = read_checkpoint(path)
+    sd = ckpt.dequantized_state_dict(torch.float32)
+    dev = torch.device("cuda")
+    w = {k: v.to(dev) for k, v in sd.items()}
+    args = ModelArgs.from_config(ckpt.config)
+    s, eps = args.shape, args.rms_norm_eps
+    ids = torch.tensor(tokens, device=dev)
+    n = ids.shape[0]
+    freqs = torch.outer(torch.arange(n, device=dev, dtype=torch.float32), rope_inv_freq(args).to(dev))
+    cos, sin = freqs.cos(), freqs.sin()
+    x = w["model.embed_tokens.weight"][ids]
+    for i in range(s.layers):
+        p = f"model.layers.{i}"
+        h = rms_norm(x, w[f"{p}.input_layernorm.weight"], eps)
+        q = (h @ w[f"{p}.self_attn.q_proj.weight"].t()).view(n, s.heads, s.head_dim)
+        k = (h @ w[f"{p}.self_attn.k_proj.weight"].t()).view(n, s.kv_heads, s.head_dim)
+        v = (h @ w[f"{p}.self_attn.v_proj.weight"].t()).view(n, s.kv_heads, s.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        attn = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
+        ).transpose(0, 1).reshape(n, -1)  # fmt: skip
+        x = x + attn @ w[f"{p}.self_attn.o_proj.weight"].t()
+        h = rms_norm(x, w[f"{p}.post_attention_layernorm.weight"], eps)
+        gate, up = h @ w[f"{p}.mlp.gate_proj.weight"].t(), h @ w[f"{p}.mlp.up_proj.weight"].t()
+        x = x + (torch.nn.functional.silu(gate) * up) @ w[f"{p}.mlp.down_proj.weight"].t()
+    head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
+    return rms_norm(x, w["model.norm.weight"], eps) @ head.t()
+
+
+def _engine_last_logits(engine, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """Each prompt's last-position logits, scheduled together through the serving path (chunks, graphs)."""
+    from engine.sampling_params import SamplingParams
+    from engine.scheduler import Sequence
+
+    seqs = [Sequence(f"p{i}", p, SamplingParams(max_tokens=1), lambda event: None) for i, p in enumerate(prompts)]
+    for seq in seqs:
+        engine.scheduler.add(seq)
+    found: dict[str, torch.Tensor] = {}
+    while len(found) < len(seqs):
+        step = engine.scheduler.schedule()
+        out = engine.runner.run(step)
+        for row, work in enumerate(step):
+            work.seq.computed = work.start + work.count
+            if work.samples:
+                found[work.seq.request_id] = out.logits[row].clone()
+                engine.scheduler.finish(work.seq)
+    return [found[s.request_id] for s in seqs]
+
+
+def test_every_prompt_length_through_the_engine_matches_the_dequantized_reference(tmp_path: Path) -> None:
+    """llama3-8b shapes (cuBLAS above 64 rows), 2 layers: lengths 1-300, then a stride to 4096, alone
+    and as one batch of mixed lengths; prompts longer than the step budget arrive in chunks."""
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    path = synth_checkpoint(tmp_path / "l", "llama3-8b", "fp8-block", num_layers=2, device="cuda", progress=False)
+    engine = LLMEngine(EngineConfig(model=path, device="cuda", max_num_seqs=32, max_model_len=4200,
+                                    max_num_batched_tokens=1024))  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 128000, (4096,), generator=gen).tolist()
+    ref = _reference_logits(path, tokens)
+    lengths = [*range(1, 301), *range(337, 4097, 239), 4096]
+    worst = 0.0
+    for length in lengths:
+        (got,) = _engine_last_logits(engine, [tokens[:length]])
+        expected = ref[length - 1]
+        assert bool(torch.isfinite(got).all()), length
+        worst = max(worst, float((got - expected).norm() / expected.norm()))
+    assert worst < 5e-2, worst
+    mixed = [7, 64, 65, 157, 158, 159, 160, 161, 300, 1, 999, 2500, 33, 129, 4000, 12]
+    for length, got in zip(mixed, _engine_last_logits(engine, [tokens[:n] for n in mixed]), strict=True):
+        expected = ref[length - 1]
+        assert float((got - expected).norm() / expected.norm()) < 5e-2, length
 
 
 def test_cuda_vmm_arena_maps_read_only_in_a_fresh_process(tmp_path: Path) -> None:

@@ -1,0 +1,66 @@
+"""Paged-attention cases shared by the CPU (Triton interpreter) and GPU tests: the kernel against the torch reference."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engine.attention import StepBatch, attention_reference
+from engine.kv_cache import slots_of
+
+PAGE = 16
+
+
+def make_batch(specs: list[tuple[int, int]], blocks: int, device: torch.device, gen: torch.Generator,
+               max_query_len: int | None = None, pad_seqs: int = 0) -> StepBatch:  # fmt: skip
+    """Sequences given as (context length after the step, query rows this step), blocks scattered at random."""
+    order = (torch.randperm(blocks - 1, generator=gen) + 1).tolist()  # block 0 is the null block
+    tables, used = [], 0
+    for length, _ in specs:
+        n = math.ceil(length / PAGE)
+        tables.append(order[used : used + n])
+        used += n
+    assert used < blocks
+    starts = [0]
+    for _, n in specs:
+        starts.append(starts[-1] + n)
+    starts += [starts[-1]] * pad_seqs  # padding sequences: no rows
+    width = max(len(t) for t in tables)
+    table = torch.zeros(len(specs) + pad_seqs, width, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    lengths = [length for length, _ in specs] + [0] * pad_seqs
+    return StepBatch(
+        tokens=torch.empty(0), positions=torch.empty(0), slots=torch.empty(0),
+        query_start=torch.tensor(starts, device=device), seq_lens=torch.tensor(lengths, device=device),
+        block_tables=table.to(device), logits_indices=torch.empty(0),
+        max_query_len=max_query_len or max(n for _, n in specs), block_size=PAGE,
+        context_slots=[slots_of(t, 0, length, PAGE, device) for t, (length, _) in zip(tables, specs, strict=True)]
+        + [torch.empty(0, dtype=torch.long, device=device)] * pad_seqs,
+        query_lens=[n for _, n in specs] + [0] * pad_seqs,
+    )  # fmt: skip
+
+
+def check_paged_attention(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, dim: int,
+                          tolerance: float) -> None:  # fmt: skip
+    from engine.triton_attention import paged_attention
+
+    gen = torch.Generator().manual_seed(heads * dim)
+    blocks = 96
+    k = torch.randn(blocks * PAGE, kv_heads, dim, generator=gen).to(device, dtype)
+    v = torch.randn(blocks * PAGE, kv_heads, dim, generator=gen).to(device, dtype)
+    cases = {
+        "decode only": ([(37, 1), (1, 1), (16, 1), (17, 1), (200, 1)], None, 0),
+        "mixed": ([(37, 1), (20, 20), (150, 70), (5, 5), (64, 1), (90, 33)], None, 0),
+        "graph-shaped (upper-bound grid, padding sequences)": ([(33, 1), (40, 17)], 128, 3),
+    }
+    for name, (specs, max_query_len, pad) in cases.items():
+        batch = make_batch(specs, blocks, device, gen, max_query_len, pad)
+        rows = sum(n for _, n in specs)
+        q = torch.randn(rows, heads, dim, generator=gen).to(device, dtype)
+        scale = dim**-0.5
+        expected = attention_reference(q.float(), k.float(), v.float(), batch, scale)
+        got = paged_attention(q, k, v, batch, scale).float()
+        error = float((got - expected).abs().max() / expected.abs().max())
+        assert error < tolerance, (name, error)
