@@ -1,4 +1,4 @@
-"""Paged-attention cases shared by the CPU (Triton interpreter) and GPU tests: the kernel against the torch reference."""
+"""Paged-attention cases shared by the CPU (Triton interpreter) and GPU tests: kernel against torch reference."""
 
 from __future__ import annotations
 

@@ -45,9 +45,10 @@ def test_rope_kv_write_writes_each_token_to_its_slot() -> None:
         angles = torch.rand(t, dim // 2, generator=gen) * 6
         k_cache, v_cache = torch.zeros(64, kv_heads, dim), torch.zeros(64, kv_heads, dim)
         slots = torch.randperm(64, generator=gen)[:t]
-        q = rope_kv_write(qkv, angles.cos(), angles.sin(), k_cache, v_cache, slots, heads, kv_heads)
-        torch.testing.assert_close(q, apply_rope(qkv[:, : heads * dim].view(t, heads, dim), angles.cos(), angles.sin()))
-        k_ref = apply_rope(qkv[:, heads * dim : (heads + kv_heads) * dim].view(t, kv_heads, dim), angles.cos(), angles.sin())
+        cos, sin = angles.cos(), angles.sin()
+        q = rope_kv_write(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads)
+        torch.testing.assert_close(q, apply_rope(qkv[:, : heads * dim].view(t, heads, dim), cos, sin))
+        k_ref = apply_rope(qkv[:, heads * dim : (heads + kv_heads) * dim].view(t, kv_heads, dim), cos, sin)
         torch.testing.assert_close(k_cache[slots], k_ref)
         assert torch.equal(v_cache[slots], qkv[:, (heads + kv_heads) * dim :].view(t, kv_heads, dim))
         assert int((k_cache != 0).any(dim=-1).sum()) == t * kv_heads
