@@ -25,13 +25,23 @@ SHAPES = [(4096, 4096), (6144, 4096), (4096, 14336), (28672, 4096)]
 ROWS = [*range(1, 321), 511, 1000, 1023, 1024, 2047, 4095]
 
 
+_WEIGHTS: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def weights(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if (n, k) not in _WEIGHTS:
+        _WEIGHTS.clear()
+        _WEIGHTS[(n, k)] = (torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn),
+                            torch.rand(n // 128, k // 128, device="cuda") + 0.5)  # fmt: skip
+    return _WEIGHTS[(n, k)]
+
+
 def blockwise(m: int, n: int, k: int, pad_rows: int = 1, pad_scale_only: bool = False) -> bool:
     from torch.nn.functional import ScalingType, scaled_mm
 
     mp = -(-m // pad_rows) * pad_rows
     x = torch.randn(mp, k, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
-    ws = torch.rand(n // 128, k // 128, device="cuda") + 0.5
+    w, ws = weights(n, k)
     xq, xs = quantize_per_token_group(x)
     if pad_scale_only:  # M rows, but the scale's leading dimension rounded up to 4
         lead = -(-m // 4) * 4
@@ -49,7 +59,7 @@ def blockwise(m: int, n: int, k: int, pad_rows: int = 1, pad_scale_only: bool = 
 
 def rowwise(m: int, n: int, k: int) -> bool:
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
+    w, _ = weights(n, k)
     xq, xs = quantize_per_token(x)
     try:
         torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=torch.ones(1, n, device="cuda"), out_dtype=torch.bfloat16)

@@ -264,10 +264,11 @@ def engine_bench(ckpt: Path, batches: list[int], new_tokens: int) -> None:
 
 def graph_replay_ms(engine, batch: int) -> float | None:
     """GPU time of the captured decode graph alone (back-to-back replays): the step minus host work."""
-    graphs = engine.graphs.graphs if engine.graphs is not None else {}
-    graph = next((g for (b, _), (g, _) in sorted(graphs.items()) if b == batch), None)
-    if graph is None:
+    runner = engine.runner
+    size = next((b for b in runner.decode_sizes if b >= batch), None)
+    if not runner.use_graphs or size is None:
         return None
+    graph = runner.graphs[("decode", size)][0]
     return timed(graph.replay, iters=50) * 1e3
 
 

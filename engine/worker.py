@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 from collections.abc import Generator
 from pathlib import Path
@@ -88,6 +89,9 @@ async def _serve(app: FastAPI, api: EngineAPI, engine: LLMEngine, sock: socket.s
         engine.stop()
 
 
+SWITCH_INTERVAL = 0.0005  # seconds
+
+
 def main(socket_path: str | Path, config_source: str, drain_timeout: float = DEFAULT_DRAIN_TIMEOUT) -> int:
     """Run an engine worker: build the engine from the config (file or inline JSON), serve it on socket_path."""
     started = time.perf_counter()
@@ -129,6 +133,10 @@ def main(socket_path: str | Path, config_source: str, drain_timeout: float = DEF
     if stop_requested:
         log_event("exit", reason=f"{stop_requested[0]} during start-up", seconds=time.perf_counter() - started)
         return 0
+    # Two threads share the GIL: the engine's (it feeds the GPU) and the server's loop (text and SSE
+    # framing). After each step's GPU wait the engine thread asks for the GIL back; by default the
+    # loop may keep it for up to 5 ms first, a whole decode step. A short interval bounds that wait.
+    sys.setswitchinterval(SWITCH_INTERVAL)
     engine.start()
     try:
         app = create_app(engine, tokenizer)

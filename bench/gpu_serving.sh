@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# GPU runs for the serving engine, on the device machine (torch + Triton there; the rest travels as wheels in .whl/,
+# the demo tokenizer for the synthetic checkpoint in .gputok/: see docs/benchmarks.md).
+#   bash bench/gpu_serving.sh setup probe tests engine serve     # any subset, in this order
+# Results go to a folder under /tmp/gpuout, packed at the end into $OUT/results.tgz (markdown copied beside it).
+# The synthetic llama3-8b fp8-block checkpoint stays in /tmp/wg while the machine is warm.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD
+MODEL=/tmp/wg/llama3-8b-fp8-block
+RUN=/tmp/gpuout/run-$(date +%H%M%S)
+mkdir -p $RUN
+for step in "$@"; do
+  echo "=== $step $(date +%T)"
+  case $step in
+    setup)  [ -d $MODEL ] || python3 -m app.cli model synth $MODEL --shape llama3-8b --scheme fp8-block --device cuda \
+              --tokenizer .gputok
+            nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv ;;
+    probe)  timeout ${PROBE_TIMEOUT:-150} python3 bench/cublas_blockwise_rule.py --out $RUN | tail -30 ;;
+    tests)  timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/ -p no:cacheprovider ${TESTS_ARGS:-} 2>&1 \
+              | tee $RUN/pytest_gpu.txt | tail -40 ;;
+    engine) timeout ${ENGINE_TIMEOUT:-240} python3 bench/gpu_engine.py --out $RUN/engine --work /tmp/wg \
+              --skip kernels synth graphs hf sweep profile variants host 2>&1 | tail -30 ;;
+    serve)  timeout ${SERVE_TIMEOUT:-480} python3 bench/serve_load.py --model $MODEL --device cuda --max-num-seqs 128 \
+              --kv-cache-bytes 20000000000 --out $RUN/serve ${SERVE_ARGS:-} 2>&1 | tail -40 ;;
+  esac
+done
+cp $RUN/serve/serve_load.md $OUT/ 2>/dev/null
+tar czf $OUT/results.tgz -C $RUN .
