@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU runs for the serving engine, on the device machine (torch + Triton there; the rest travels as wheels in .whl/,
 # the demo tokenizer for the synthetic checkpoint in .gputok/: see docs/benchmarks.md).
-#   bash bench/gpu_serving.sh setup probe tests engine serve     # any subset, in this order
+#   bash bench/gpu_serving.sh setup probe tests profile engine serve     # any subset, in this order
 # Results go to a folder under /tmp/gpuout, packed at the end into $OUT/results.tgz (markdown copied beside it).
 # The synthetic llama3-8b fp8-block checkpoint stays in /tmp/wg while the machine is warm.
 set -uo pipefail
@@ -19,8 +19,9 @@ for step in "$@"; do
               --tokenizer .gputok
             nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv ;;
     probe)  timeout ${PROBE_TIMEOUT:-150} python3 bench/cublas_blockwise_rule.py --out $RUN | tail -30 ;;
-    tests)  timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/ -p no:cacheprovider ${TESTS_ARGS:-} 2>&1 \
+    tests)  timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu ${TESTS_ARGS:-tests/test_gpu.py} -p no:cacheprovider 2>&1 \
               | tee $RUN/pytest_gpu.txt | tail -40 ;;
+    profile) timeout ${PROFILE_TIMEOUT:-200} python3 bench/gpu_step_profile.py --model $MODEL --out $RUN 2>&1 | tail -60 ;;
     engine) timeout ${ENGINE_TIMEOUT:-240} python3 bench/gpu_engine.py --out $RUN/engine --work /tmp/wg \
               --skip kernels synth graphs hf sweep profile variants host 2>&1 | tail -30 ;;
     serve)  timeout ${SERVE_TIMEOUT:-480} python3 bench/serve_load.py --model $MODEL --device cuda --max-num-seqs 128 \

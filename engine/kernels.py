@@ -57,10 +57,11 @@ def _finish(y: torch.Tensor, t: Tensors, r: LinearRecipe) -> torch.Tensor:
 
 
 SMALL_M = 64  # up to this many rows (decode), the Triton kernel beats cuBLAS' blockwise scaled_mm
-# cuBLAS' blockwise kernels refuse some row counts (CUBLAS_STATUS_NOT_SUPPORTED from the heuristic
-# query, e.g. M = 157..161 on the H200): rows are padded to this multiple, which every M in the
-# sweep of bench/cublas_blockwise_rule.py accepted (bench/results/cublas_blockwise_rule.json).
-CUBLAS_BLOCKWISE_ROWS = 16
+# cuBLAS' blockwise kernels (torch 2.11 + CUDA 13 on the H200) refuse every M that is not a multiple
+# of 4 (CUBLAS_STATUS_NOT_SUPPORTED from the heuristic query): the fp32 activation scales are
+# column-major with leading dimension M (16-byte alignment would explain the rule). torch insists
+# on strides (1, M), so the rows themselves are padded (bench/results/cublas_blockwise_rule.json).
+CUBLAS_BLOCKWISE_ROWS = 4
 
 
 def fp8_block_scaled_mm(x: torch.Tensor, t: Tensors, r: LinearRecipe) -> torch.Tensor:
@@ -79,8 +80,10 @@ def fp8_block_scaled_mm(x: torch.Tensor, t: Tensors, r: LinearRecipe) -> torch.T
         from engine.triton_fp8 import fp8_block_gemm
 
         return _finish(fp8_block_gemm(xp.contiguous(), t["weight"], t["weight_scale"]), t, r)
+    from engine.triton_fp8 import quantize_groups
+
     pad = -m % CUBLAS_BLOCKWISE_ROWS
-    xq, xs = quantize_per_token_group(F.pad(xp, (0, 0, 0, pad)) if pad else xp)
+    xq, xs = quantize_groups(xp, m + pad)  # as quantize_per_token_group, in one kernel
     y = scaled_mm(xq, t["weight"].t(), xs, ScalingType.BlockWise1x128, t["weight_scale"].t(),
                   ScalingType.BlockWise128x128, output_dtype=x.dtype)  # fmt: skip
     return _finish(y[:m] if pad else y, t, r)

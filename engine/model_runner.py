@@ -209,6 +209,7 @@ class ModelRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             out = run()
+        graph.replay()  # the first launch uploads the graph to the device: paid here, not by a request
         self.graphs[key] = (graph, out)
         return graph, out
 

@@ -117,3 +117,28 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
 def _sm_count(device_index: int | None) -> int:
     index = device_index if device_index is not None else torch.cuda.current_device()
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@triton.jit
+def _quantize_groups(x_ptr, q_ptr, s_ptr, M, stride_xm, stride_qm, rows, FP8_MAX: tl.constexpr,
+                     GROUP: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0)
+    group = tl.program_id(1)
+    cols = group * GROUP + tl.arange(0, GROUP)
+    x = tl.load(x_ptr + row * stride_xm + cols, mask=(cols >= 0) & (row < M), other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / FP8_MAX
+    q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
+    tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty))
+    tl.store(s_ptr + group * rows + row, scale)  # column-major: strides (1, rows)
+
+
+def quantize_groups(x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] (K a multiple of 128) -> fp8 [rows, K] and fp32 scales [rows, K/128] with strides (1, rows),
+    rows >= M (the extra rows are zeros): the activation operands of cuBLAS' blockwise scaled_mm, in one launch."""
+    m, k = x.shape
+    groups = k // BLOCK_K
+    q = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(groups * rows, dtype=torch.float32, device=x.device)
+    _quantize_groups[(rows, groups)](x, q, scale, m, x.stride(0), q.stride(0), rows, FP8_MAX=448.0, GROUP=BLOCK_K,
+                                     num_warps=1)  # fmt: skip
+    return q, scale.as_strided((rows, groups), (1, rows))

@@ -92,6 +92,24 @@ async def _serve(app: FastAPI, api: EngineAPI, engine: LLMEngine, sock: socket.s
 SWITCH_INTERVAL = 0.0005  # seconds
 
 
+async def _warm_up(app: FastAPI) -> None:
+    """A streamed completion and a streamed chat through the whole app before the worker reports ready:
+    first-use costs (request validation, chat template, detokenizer, SSE framing) are paid here,
+    not by the first client after a start."""
+    import httpx
+
+    requests = [
+        ("/v1/completions", {"prompt": [1] * 8, "max_tokens": 2, "stream": True, "ignore_eos": True}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "stream": True}),
+    ]
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://warmup") as client:
+        for path, body in requests:
+            response = await client.post(path, json={**body, "temperature": 0})
+            if response.status_code != 200:
+                raise RuntimeError(f"warm-up request {path} failed: {response.status_code} {response.text[:200]}")
+
+
 def main(socket_path: str | Path, config_source: str, drain_timeout: float = DEFAULT_DRAIN_TIMEOUT) -> int:
     """Run an engine worker: build the engine from the config (file or inline JSON), serve it on socket_path."""
     started = time.perf_counter()
@@ -145,6 +163,9 @@ def main(socket_path: str | Path, config_source: str, drain_timeout: float = DEF
     except BaseException:
         engine.stop()
         raise
+    t = time.perf_counter()
+    asyncio.run(_warm_up(app))
+    log_event("startup", phase="server_warmup", seconds=time.perf_counter() - t)
     log_event("ready", socket=socket_path, seconds=time.perf_counter() - started, **engine.startup_phases)
     try:
         asyncio.run(_serve(app, app.state.api, engine, sock, drain_timeout))

@@ -38,6 +38,19 @@ def test_block_fp8_kernel_matches_dequantized_reference_for_every_m(n: int, k: i
         assert float((got - ref).norm() / ref.norm()) < 1e-2, m
 
 
+def test_fused_group_quantization_is_torch_bit_for_bit() -> None:
+    from engine.kernels import quantize_per_token_group
+    from engine.triton_fp8 import quantize_groups
+
+    x = torch.randn(301, 4096, device="cuda", dtype=torch.bfloat16) * 3
+    q, s = quantize_groups(x, 304)
+    ref_q, ref_s = quantize_per_token_group(x)
+    assert s.stride() == (1, 304) and torch.equal(s[:301], ref_s)
+    same = (q[:301].view(torch.uint8) == ref_q.view(torch.uint8)).float().mean()
+    assert float(same) > 0.999, float(same)  # a division rounded differently may move a code by one step
+    assert not bool(q[301:].float().any())
+
+
 def test_fused_norm_and_rope_match_torch() -> None:
     from engine.fused_ops import add_rms_norm, rope
     from engine.model import apply_rope, rms_norm
@@ -166,8 +179,15 @@ def test_paged_attention_kernel_matches_reference(heads: int, kv_heads: int, dim
 
 
 def _reference_logits(path: Path, tokens: list[int]) -> torch.Tensor:
-    """Every position's logits from a plain-torch fp32 forward over dequantized weights (full causal SDPA)."""
+    """Every position's logits from a plain-torch fp32 forward over dequantized weights (full causal SDPA),
+    with each FP8 layer's input rounded as the W8A8 kernels round it (e4m3 per token and group of 128)."""
     from cache.checkpoint.reader import read_checkpoint
+    from engine.kernels import quantize_per_token_group
+
+    def linear(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        xq, xs = quantize_per_token_group(h)
+        return (xq.float().view(h.shape[0], -1, 128) * xs.unsqueeze(-1)).view_as(h) @ weight.t()
+
     from engine.model import ModelArgs, apply_rope, rms_norm, rope_inv_freq
 
     ckpt = read_checkpoint(path)
@@ -184,17 +204,17 @@ def _reference_logits(path: Path, tokens: list[int]) -> torch.Tensor:
     for i in range(s.layers):
         p = f"model.layers.{i}"
         h = rms_norm(x, w[f"{p}.input_layernorm.weight"], eps)
-        q = (h @ w[f"{p}.self_attn.q_proj.weight"].t()).view(n, s.heads, s.head_dim)
-        k = (h @ w[f"{p}.self_attn.k_proj.weight"].t()).view(n, s.kv_heads, s.head_dim)
-        v = (h @ w[f"{p}.self_attn.v_proj.weight"].t()).view(n, s.kv_heads, s.head_dim)
+        q = linear(h, w[f"{p}.self_attn.q_proj.weight"]).view(n, s.heads, s.head_dim)
+        k = linear(h, w[f"{p}.self_attn.k_proj.weight"]).view(n, s.kv_heads, s.head_dim)
+        v = linear(h, w[f"{p}.self_attn.v_proj.weight"]).view(n, s.kv_heads, s.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         attn = torch.nn.functional.scaled_dot_product_attention(
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
         ).transpose(0, 1).reshape(n, -1)  # fmt: skip
-        x = x + attn @ w[f"{p}.self_attn.o_proj.weight"].t()
+        x = x + linear(attn, w[f"{p}.self_attn.o_proj.weight"])
         h = rms_norm(x, w[f"{p}.post_attention_layernorm.weight"], eps)
-        gate, up = h @ w[f"{p}.mlp.gate_proj.weight"].t(), h @ w[f"{p}.mlp.up_proj.weight"].t()
-        x = x + (torch.nn.functional.silu(gate) * up) @ w[f"{p}.mlp.down_proj.weight"].t()
+        gate, up = linear(h, w[f"{p}.mlp.gate_proj.weight"]), linear(h, w[f"{p}.mlp.up_proj.weight"])
+        x = x + linear(torch.nn.functional.silu(gate) * up, w[f"{p}.mlp.down_proj.weight"])
     head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
     return rms_norm(x, w["model.norm.weight"], eps) @ head.t()
 
@@ -232,17 +252,17 @@ def test_every_prompt_length_through_the_engine_matches_the_dequantized_referenc
     tokens = torch.randint(0, 128000, (4096,), generator=gen).tolist()
     ref = _reference_logits(path, tokens)
     lengths = [*range(1, 301), *range(337, 4097, 239), 4096]
-    worst = 0.0
+    errors = {}
     for length in lengths:
         (got,) = _engine_last_logits(engine, [tokens[:length]])
-        expected = ref[length - 1]
         assert bool(torch.isfinite(got).all()), length
-        worst = max(worst, float((got - expected).norm() / expected.norm()))
-    assert worst < 5e-2, worst
+        errors[length] = float((got - ref[length - 1]).norm() / ref[length - 1].norm())
+    worst = max(errors, key=errors.__getitem__)
+    assert errors[worst] < 3e-2, (worst, errors[worst], sorted(errors.values())[len(errors) // 2])
     mixed = [7, 64, 65, 157, 158, 159, 160, 161, 300, 1, 999, 2500, 33, 129, 4000, 12]
     for length, got in zip(mixed, _engine_last_logits(engine, [tokens[:n] for n in mixed]), strict=True):
-        expected = ref[length - 1]
-        assert float((got - expected).norm() / expected.norm()) < 5e-2, length
+        error = float((got - ref[length - 1]).norm() / ref[length - 1].norm())
+        assert error < 3e-2, (length, error)
 
 
 def test_cuda_vmm_arena_maps_read_only_in_a_fresh_process(tmp_path: Path) -> None:
