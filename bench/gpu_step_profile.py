@@ -19,10 +19,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.config import EngineConfig  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.scheduler import Sequence  # noqa: E402
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Sequence
 
 PARAMS = SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True)
 
@@ -85,20 +85,72 @@ def top_kernels(engine: LLMEngine, make_step) -> list[tuple[str, int, float]]:
     return [(e.key[:90], e.count, round(e.device_time_total, 1)) for e in events[:14]]
 
 
+GEMMS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
+def graphed_us(fn, calls: int = 20) -> float:
+    """GPU time of one call, from a CUDA graph of ``calls`` calls (decode runs in graphs: no launch gaps)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (5 * calls)
+
+
+def gemm_table() -> list[dict[str, object]]:
+    """The llama3-8b layer GEMMs per row count: the Triton kernel against cuBLAS' blockwise scaled_mm
+    (rows padded to 4, activations quantized by quantize_groups): microseconds for the four of a layer."""
+    from torch.nn.functional import ScalingType, scaled_mm
+
+    from engine.triton_fp8 import fp8_block_gemm, quantize_groups
+
+    rows = []
+    for m in (1, 4, 8, 16, 24, 32, 48, 64, 96, 128):
+        row: dict[str, object] = {"m": m, "triton_us": 0.0, "cublas_us": 0.0}
+        for n, k in GEMMS.values():
+            w = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
+            s = torch.rand(n // 128, k // 128, device="cuda") + 0.5
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            mp = -(-m // 4) * 4
+
+            def cublas(x=x, w=w, s=s, mp=mp) -> None:
+                xq, xs = quantize_groups(x, mp)
+                scaled_mm(xq, w.t(), xs, ScalingType.BlockWise1x128, s.t(), ScalingType.BlockWise128x128,
+                          output_dtype=torch.bfloat16)  # fmt: skip
+
+            row["triton_us"] += graphed_us(lambda x=x, w=w, s=s: fp8_block_gemm(x, w, s))  # type: ignore[operator]
+            row["cublas_us"] += graphed_us(cublas)  # type: ignore[operator]
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")
+    parser.add_argument("--skip-gemms", action="store_true")
     args = parser.parse_args()
+    gemms = [] if args.skip_gemms else gemm_table()
     t = time.perf_counter()
     engine = LLMEngine(EngineConfig(model=args.model, device="cuda", max_num_seqs=args.max_num_seqs,
                                     max_model_len=2048, max_num_batched_tokens=args.budget,
                                     kv_cache_bytes=20 * 10**9))  # fmt: skip
     result: dict[str, object] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                  "startup": {**engine.startup_phases, "total": time.perf_counter() - t},
-                                 "decode": [], "mixed": [], "prefill": {}}  # fmt: skip
+                                 "decode": [], "mixed": [], "prefill": {}, "gemms": gemms}  # fmt: skip
     print(result["startup"], flush=True)
     gen = torch.Generator().manual_seed(0)
     runner = engine.runner
@@ -150,6 +202,23 @@ def main() -> None:
                          "tok_s": 160 * n_prompts / wall, "step_ms": wall / steps * 1e3,
                          "graph_ms": replay_ms(engine, ("mixed", args.budget))}  # fmt: skip
     print(result["prefill"], flush=True)
+
+    # Host side of a 2048-token step: staging its inputs.
+    batch_seqs = [Sequence(f"h{i}", prompt(gen, 160), SamplingParams(max_tokens=1), lambda e: None)
+                  for i in range(args.budget // 160)]  # fmt: skip
+    for seq in batch_seqs:
+        engine.scheduler.add(seq)
+    t0 = time.perf_counter()
+    plan = engine.scheduler.schedule()
+    t1 = time.perf_counter()
+    runner._stage(plan, args.budget, runner.max_seqs)
+    t2 = time.perf_counter()
+    runner.run(plan)
+    t3 = time.perf_counter()
+    result["prefill"]["host_ms"] = {"schedule": (t1 - t0) * 1e3, "stage": (t2 - t1) * 1e3,  # type: ignore[index]
+                                    "run": (t3 - t2) * 1e3}  # fmt: skip
+    print(result["prefill"]["host_ms"], flush=True)  # type: ignore[index]
+    clear(engine)
 
     def prefill_step() -> None:
         batch = [Sequence(f"q{i}", prompt(gen, 160), SamplingParams(max_tokens=1), lambda e: None)

@@ -6,6 +6,7 @@ Each kernel takes activations [M, K] and the processed tensors of one layer and 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -56,7 +57,9 @@ def _finish(y: torch.Tensor, t: Tensors, r: LinearRecipe) -> torch.Tensor:
     return y + bias if bias is not None else y
 
 
-SMALL_M = 64  # up to this many rows (decode), the Triton kernel beats cuBLAS' blockwise scaled_mm
+# Up to this many rows (decode), the Triton kernel is used rather than cuBLAS' blockwise scaled_mm.
+# WARMGATE_FP8_SMALL_M overrides it, for benchmarks (bench/gpu_step_profile.py times both per M).
+SMALL_M = int(os.environ.get("WARMGATE_FP8_SMALL_M", "64"))
 # cuBLAS' blockwise kernels (torch 2.11 + CUDA 13 on the H200) refuse every M that is not a multiple
 # of 4 (CUBLAS_STATUS_NOT_SUPPORTED from the heuristic query): the fp32 activation scales are
 # column-major with leading dimension M (16-byte alignment would explain the rule). torch insists

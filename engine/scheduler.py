@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from engine.llm_engine import TokenEvent
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler looks sequences up in its lists every step
 class Sequence:
     request_id: str
     prompt: list[int]
@@ -85,11 +85,9 @@ class Scheduler:
         """This step's work: decode tokens and prompt chunks within the token budget, blocks allocated."""
         budget = self.max_batched_tokens
         step: list[Scheduled] = []
-        for seq in list(self.running):
-            if budget == 0:
-                break
-            if seq not in self.running:  # preempted below to make room for an earlier one
-                continue
+        i = 0
+        while i < len(self.running) and budget > 0:  # victims leave from the end of the list
+            seq = self.running[i]
             count = min(seq.length - seq.computed, budget)
             while not self.allocator.grow(seq.blocks, seq.computed + count):
                 victim = self.running[-1]
@@ -99,6 +97,7 @@ class Scheduler:
             else:
                 step.append(Scheduled(seq, seq.computed, count))
                 budget -= count
+                i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             count = min(seq.length - seq.computed, budget)

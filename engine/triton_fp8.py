@@ -121,15 +121,15 @@ def _sm_count(device_index: int | None) -> int:
 
 @triton.jit
 def _quantize_groups(x_ptr, q_ptr, s_ptr, M, stride_xm, stride_qm, rows, FP8_MAX: tl.constexpr,
-                     GROUP: tl.constexpr):  # fmt: skip
-    row = tl.program_id(0)
+                     GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr):  # fmt: skip
+    r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     group = tl.program_id(1)
     cols = group * GROUP + tl.arange(0, GROUP)
-    x = tl.load(x_ptr + row * stride_xm + cols, mask=(cols >= 0) & (row < M), other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / FP8_MAX
-    q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
-    tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty))
-    tl.store(s_ptr + group * rows + row, scale)  # column-major: strides (1, rows)
+    x = tl.load(x_ptr + r[:, None] * stride_xm + cols[None, :], mask=(r < M)[:, None], other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / FP8_MAX
+    q = tl.clamp(x / scale[:, None], -FP8_MAX, FP8_MAX)
+    tl.store(q_ptr + r[:, None] * stride_qm + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=(r < rows)[:, None])
+    tl.store(s_ptr + group * rows + r, scale, mask=r < rows)  # column-major: strides (1, rows)
 
 
 def quantize_groups(x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,6 +139,8 @@ def quantize_groups(x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Ten
     groups = k // BLOCK_K
     q = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(groups * rows, dtype=torch.float32, device=x.device)
-    _quantize_groups[(rows, groups)](x, q, scale, m, x.stride(0), q.stride(0), rows, FP8_MAX=448.0, GROUP=BLOCK_K,
-                                     num_warps=1)  # fmt: skip
+    block_rows = 16
+    _quantize_groups[(triton.cdiv(rows, block_rows), groups)](
+        x, q, scale, m, x.stride(0), q.stride(0), rows, FP8_MAX=448.0, GROUP=BLOCK_K, BLOCK_ROWS=block_rows, num_warps=4
+    )
     return q, scale.as_strided((rows, groups), (1, rows))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -166,6 +167,10 @@ def main(socket_path: str | Path, config_source: str, drain_timeout: float = DEF
     t = time.perf_counter()
     asyncio.run(_warm_up(app))
     log_event("startup", phase="server_warmup", seconds=time.perf_counter() - t)
+    # What start-up made (modules, the model's tensors and graphs) lives as long as the worker: moved out
+    # of the collector's generations, it is not walked again by every full collection while serving.
+    gc.collect()
+    gc.freeze()
     log_event("ready", socket=socket_path, seconds=time.perf_counter() - started, **engine.startup_phases)
     try:
         asyncio.run(_serve(app, app.state.api, engine, sock, drain_timeout))

@@ -48,9 +48,9 @@ class Process:
 
 
 class Worker(Process):
-    def client(self) -> httpx.AsyncClient:
+    def client(self, timeout: float = 60) -> httpx.AsyncClient:
         transport = httpx.AsyncHTTPTransport(uds=str(self.socket))
-        return httpx.AsyncClient(transport=transport, base_url="http://engine", timeout=60)
+        return httpx.AsyncClient(transport=transport, base_url="http://engine", timeout=timeout)
 
     def sync_client(self) -> httpx.Client:
         return httpx.Client(transport=httpx.HTTPTransport(uds=str(self.socket)), base_url="http://engine", timeout=60)

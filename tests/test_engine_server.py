@@ -174,7 +174,7 @@ def test_concurrent_prompts_of_every_length_in_a_tight_kv_cache(model: Path, tmp
         return "".join(e["choices"][0]["text"] for e in events if e["choices"])
 
     async def together() -> list[list[dict[str, Any]]]:
-        async with worker.client() as client:
+        async with worker.client(timeout=300) as client:  # recomputing preempted prompts on 2 shared cores
             return await asyncio.gather(*(read_stream(client, "/v1/completions", body(p)) for p in prompts))
 
     try:

