@@ -1,6 +1,6 @@
 """How far a random-weight llama3-8b-shaped model (2 layers) moves its logits under rounding, against a real bug.
 
-    .venv/bin/python bench/synth_logit_sensitivity.py --out bench/results   # CPU, ~3 min; writes synth_logit_sensitivity.json
+    .venv/bin/python bench/synth_logit_sensitivity.py --out bench/results   # CPU, ~3 min
 
 Sets the tolerance of the GPU prompt-length test (tests/test_gpu.py): the same plain-torch reference
 (dequantized FP8 weights, activations rounded to e4m3 per token and group of 128 as the W8A8 kernels
@@ -54,7 +54,8 @@ def logits(path: Path, tokens: list[int], dtype: torch.dtype, window: int | None
         k = apply_rope(linear(h, w[f"{p}.self_attn.k_proj.weight"]).view(n, s.kv_heads, s.head_dim), cos, sin)
         v = linear(h, w[f"{p}.self_attn.v_proj.weight"]).view(n, s.kv_heads, s.head_dim)
         attn = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                              attn_mask=mask, enable_gqa=True).transpose(0, 1).reshape(n, -1)  # fmt: skip
+                                              attn_mask=mask, enable_gqa=True)  # fmt: skip
+        attn = attn.transpose(0, 1).reshape(n, -1)
         x = x + linear(attn, w[f"{p}.self_attn.o_proj.weight"])
         h = rms_norm(x, w[f"{p}.post_attention_layernorm.weight"], eps)
         gate, up = linear(h, w[f"{p}.mlp.gate_proj.weight"]), linear(h, w[f"{p}.mlp.up_proj.weight"])
@@ -71,7 +72,7 @@ def main() -> None:
         tokens = torch.randint(0, 128000, (200,), generator=torch.Generator().manual_seed(0)).tolist()
         reference = logits(path, tokens, torch.float32)
         variants = {"bf16": logits(path, tokens, torch.bfloat16),
-                    "attention within 64-token chunks only": logits(path, tokens, torch.float32, window=64)}  # fmt: skip
+                    "attention within 64-token chunks": logits(path, tokens, torch.float32, window=64)}  # fmt: skip
     result = {name: {p: float((v[p] - reference[p]).norm() / reference[p].norm()) for p in POSITIONS}
               for name, v in variants.items()}  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
