@@ -163,6 +163,7 @@ async def _serve(settings: Settings, config_path: Path | None, overrides: dict[s
         loop.add_signal_handler(signal.SIGTERM, on_stop)
         loop.add_signal_handler(signal.SIGINT, on_stop)
         loop.add_signal_handler(signal.SIGHUP, on_hup)
+        await _warm_up(app, settings.gateway.api_keys)
         events.log_event(log, "ready", url=f"http://{settings.gateway.host}:{settings.gateway.port}", model=model,
                          run_dir=run_dir, seconds=time.perf_counter() - started)  # fmt: skip
         await server.serve()
@@ -170,6 +171,21 @@ async def _serve(settings: Settings, config_path: Path | None, overrides: dict[s
         await manager.close()
         await supervisor.cache.stop()
         events.log_event(log, "exit", seconds=time.perf_counter() - started)
+
+
+async def _warm_up(app: Any, api_keys: list[str]) -> None:
+    """One streamed completion through the gateway's own routes and relay before it listens: first-use
+    costs of the proxy path are paid here, not by the first client (whose TTFT measured 130-200 ms on the
+    H200 against 15 ms for later ones)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_keys[0]}"} if api_keys else {}
+    body = {"prompt": "Hi", "max_tokens": 2, "temperature": 0, "stream": True}
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://warmup", headers=headers) as client:
+        response = await client.post("/v1/completions", json=body, timeout=60)
+        if response.status_code != 200:
+            log.warning("event=warmup_failed status=%d body=%s", response.status_code, response.text[:200])
 
 
 async def _reload_logged(supervisor: Supervisor) -> None:

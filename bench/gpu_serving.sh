@@ -21,11 +21,9 @@ for step in "$@"; do
     probe)  timeout ${PROBE_TIMEOUT:-150} python3 bench/cublas_blockwise_rule.py --out $RUN | tail -30 ;;
     tests)  timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu ${TESTS_ARGS:-tests/test_gpu.py} -p no:cacheprovider 2>&1 \
               | tee $RUN/pytest_gpu.txt | tail -40 ;;
-    profile) timeout ${PROFILE_TIMEOUT:-200} python3 bench/gpu_step_profile.py --model $MODEL --out $RUN 2>&1 | tail -60
-            # The largest M where the Triton GEMM beat cuBLAS in this run's table: what `serve` then uses.
-            export WARMGATE_FP8_SMALL_M=$(python3 -c "import json; t = json.load(open('$RUN/gpu_step_profile.json'))['gemms']
-print(max([r['m'] for r in t if r['triton_us'] < r['cublas_us']], default=0))" || echo 64)
-            echo "WARMGATE_FP8_SMALL_M=$WARMGATE_FP8_SMALL_M" ;;
+    profile) timeout ${PROFILE_TIMEOUT:-200} python3 bench/gpu_step_profile.py --model $MODEL --out $RUN \
+              ${PROFILE_ARGS:-} 2>&1 | tail -60
+            ;;
     engine) timeout ${ENGINE_TIMEOUT:-240} python3 bench/gpu_engine.py --out $RUN/engine --work /tmp/wg \
               --skip kernels synth graphs hf sweep profile variants host 2>&1 | tail -30 ;;
     serve)  timeout ${SERVE_TIMEOUT:-480} python3 bench/serve_load.py --model $MODEL --device cuda --max-num-seqs 128 \

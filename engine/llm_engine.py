@@ -34,6 +34,7 @@ from engine.weights import LoadedWeights, WeightSource, weight_source
 
 log = logging.getLogger("warmgate.engine")
 DEFAULT_MAX_MODEL_LEN = 4096
+STATS_INTERVAL = 10.0  # seconds between engine_stats log lines
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,7 @@ class LLMEngine:
         self.startup_phases: dict[str, float] = {}
         self._inbox: list[Sequence] = []
         self._outbox = Outbox()
+        self.stats = StepStats(self)
         self._wake = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -221,6 +223,7 @@ class LLMEngine:
                 self._inbox.clear()
             try:
                 self._step()
+                self.stats.step_done()
             except Exception as exc:  # a failed step fails its requests, not the engine
                 log.exception("event=step_failed")
                 for seq in [*self.scheduler.running]:
@@ -235,6 +238,7 @@ class LLMEngine:
         step = self.scheduler.schedule()
         if not step:
             return
+        self.stats.step_begin(step)
         out = self.runner.run(step)
         for work in step:
             work.seq.computed = work.start + work.count
@@ -277,6 +281,49 @@ class LLMEngine:
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                 f"max_model_len ({self.max_model_len})"
             )
+
+
+class StepStats:
+    """Throughput and step times, logged every STATS_INTERVAL seconds while the engine works (as vLLM does)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._reset(time.perf_counter())
+
+    def _reset(self, now: float) -> None:
+        self.since = now
+        self.steps = self.prompt_tokens = self.generated = 0
+        self.busy = self.longest = 0.0
+        self._began: float | None = None
+
+    def step_begin(self, step: list[Any]) -> None:
+        self._began = time.perf_counter()
+        self.steps += 1
+        for work in step:
+            if work.samples:
+                self.generated += 1
+            if work.start < len(work.seq.prompt):
+                self.prompt_tokens += min(work.count, len(work.seq.prompt) - work.start)
+
+    def step_done(self) -> None:
+        if self._began is None:  # nothing was scheduled
+            return
+        now = time.perf_counter()
+        took, self._began = now - self._began, None
+        self.busy += took
+        self.longest = max(self.longest, took)
+        if now - self.since >= STATS_INTERVAL and self.steps:
+            window = now - self.since
+            scheduler = self.engine.scheduler
+            total = self.engine.kv.spec.blocks - 1
+            log.info(
+                "event=engine_stats prompt_tok_s=%.0f gen_tok_s=%.0f running=%d waiting=%d kv_usage=%.3f "
+                "steps=%d step_ms_mean=%.2f step_ms_max=%.2f busy=%.2f preemptions=%d",
+                self.prompt_tokens / window, self.generated / window, len(scheduler.running),
+                len(scheduler.waiting), 1 - len(scheduler.allocator.free) / total, self.steps,
+                1e3 * self.busy / self.steps, 1e3 * self.longest, self.busy / window, scheduler.preemptions,
+            )  # fmt: skip
+            self._reset(now)
 
 
 class _Timer:

@@ -28,25 +28,39 @@ def sample(
 ) -> list[int]:
     """One token per row of ``logits`` [B, vocab] (float32).
 
-    ``argmax``: the rows' argmax when already known (the CUDA-graph decode computes it); not
-    used when a penalty changes the logits.
+    ``argmax``: the rows' argmax when already known (the CUDA-graph step computes it); not used when a
+    penalty changes the logits. Sampled rows are drawn together, with one copy back to the host: the
+    exponential-race form of sampling (argmax of p / E, E ~ Exp(1), picks i with probability p_i) lets
+    each seeded row draw its own noise from its own generator, with no per-row synchronization.
     """
     if any(p.presence_penalty or p.frequency_penalty for p in params):
         logits, argmax = apply_penalties(logits, outputs, params), None
     chosen = argmax if argmax is not None else logits.argmax(dim=-1).tolist()
-    for i, p in enumerate(params):
-        if p.greedy:
-            continue
-        row = logits[i] / p.temperature
-        if p.top_k:
-            kth = torch.topk(row, min(p.top_k, row.shape[0])).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        probs = torch.softmax(row, dim=-1)
-        if p.top_p < 1.0:
-            sorted_probs, order = probs.sort(descending=True)
-            # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
-            drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
-            sorted_probs[drop] = 0.0
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        chosen[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not rows:
+        return chosen
+    device = logits.device
+    picked = [params[i] for i in rows]
+    x = logits[rows] / torch.tensor([p.temperature for p in picked], device=device).unsqueeze(1)
+    vocab = x.shape[1]
+    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in picked]
+    if min(ks) < vocab:
+        top = torch.topk(x, max(ks), dim=-1).values
+        kth = top.gather(1, torch.tensor(ks, device=device).unsqueeze(1) - 1)
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if any(p.top_p < 1.0 for p in picked):
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        top_p = torch.tensor([p.top_p for p in picked], device=device).unsqueeze(1)
+        # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
+        sorted_probs = sorted_probs.masked_fill(sorted_probs.cumsum(-1) - sorted_probs >= top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+    noise = torch.empty_like(probs)
+    seeded = [j for j, i in enumerate(rows) if generators[i] is not None]
+    if len(seeded) < len(rows):
+        noise.exponential_()
+    for j in seeded:
+        noise[j].exponential_(generator=generators[rows[j]])
+    for i, token in zip(rows, (probs / noise).argmax(dim=-1).tolist(), strict=True):
+        chosen[i] = token
     return chosen
