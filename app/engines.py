@@ -224,7 +224,7 @@ class EngineManager:
             t = time.perf_counter()
             await asyncio.wait_for(self._until_healthy(engine), self.start_timeout)
             report.phases["init"] = time.perf_counter() - t
-            for phase in ("weight_load", "model_init", "kv_alloc", "warmup"):
+            for phase in ("weight_load", "model_init", "kv_alloc", "cuda_graphs", "warmup"):
                 if phase in engine.health.get("startup_phases", {}):
                     report.phases[phase] = engine.health["startup_phases"][phase]
             t = time.perf_counter()

@@ -78,7 +78,8 @@ def assert_openai_error(response: httpx.Response, status: int, *words: str) -> d
 
 def test_startup_phases_logged_and_socket_private(worker: Worker) -> None:
     log = worker.log()
-    for phase in ("import", "tokenizer", "device_init", "weight_load", "model_init", "kv_alloc", "warmup"):
+    phases = ("import", "tokenizer", "device_init", "weight_load", "model_init", "kv_alloc", "warmup", "server_warmup")
+    for phase in phases:
         assert f"event=startup phase={phase} seconds=" in log, log
     assert "event=ready" in log
     assert stat.S_IMODE(worker.socket.stat().st_mode) == 0o600
