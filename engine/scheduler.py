@@ -73,7 +73,8 @@ class Scheduler:
     def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_batched_tokens: int) -> None:
         self.allocator = allocator
         self.max_num_seqs = max_num_seqs
-        self.max_batched_tokens = max_batched_tokens
+        # Room for a decode token of every running sequence, or those behind the budget would starve.
+        self.max_batched_tokens = max(max_batched_tokens, max_num_seqs)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
         self.preemptions = 0
