@@ -83,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for in-flight requests before exiting"
     )
     engine.set_defaults(run=_engine)
+
+    forks = commands.add_parser("fork-server", help="pre-import torch and the engine, then fork engine workers")
+    forks.add_argument("--socket", type=Path, required=True, help="Unix socket to take spawn requests on")
+    forks.set_defaults(run=_fork_server)
     return parser
 
 
@@ -168,6 +172,12 @@ def _engine(args: argparse.Namespace) -> None:
     from engine.worker import main as run_worker
 
     run_worker(args.socket, args.config, drain_timeout=args.drain_timeout)
+
+
+def _fork_server(args: argparse.Namespace) -> None:
+    from engine.fork_server import serve
+
+    serve(args.socket, child_main=main)  # a forked worker runs `warmgate engine ...` as if spawned
 
 
 def _print_check(path: Path) -> None:

@@ -58,6 +58,7 @@ class RestartSettings(_Section):
     crash_backoff: Annotated[float, Field(gt=0)] = 0.5  # first wait before restarting a crashed engine; doubles
     crash_backoff_max: Annotated[float, Field(gt=0)] = 30.0
     request_retries: Annotated[int, Field(ge=0)] = 3  # retries of a request that produced no output yet
+    fork_server: bool = True  # fork engines from a process that has imported torch (else spawn each one)
 
 
 class Settings(BaseSettings):

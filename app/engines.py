@@ -25,10 +25,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
+from app.fork_client import ForkServer, ForkServerUnavailable
 from cache.events import log_event
 
 log = logging.getLogger("warmgate.gateway.engines")
@@ -43,6 +44,22 @@ class EngineState(StrEnum):
     FAILED = "failed"
 
 
+class WorkerProcess(Protocol):
+    """What the manager needs of a worker process: a spawned asyncio subprocess or a ForkedProcess."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    async def wait(self) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def kill(self) -> None: ...
+
+
 class EngineStartError(RuntimeError):
     """A new engine did not become ready; the message says why (with the end of its log)."""
 
@@ -53,7 +70,7 @@ class Engine:
     socket: Path
     log_path: Path
     config: dict[str, Any]
-    process: asyncio.subprocess.Process
+    process: WorkerProcess
     state: EngineState = EngineState.STARTING
     started: float = field(default_factory=time.monotonic)
     health: dict[str, Any] = field(default_factory=dict)
@@ -85,6 +102,7 @@ class RestartReport:
     ok: bool
     engine: int | None = None
     weight_source: str | None = None
+    path: str | None = None  # how the new engine's process began: "fork" (from the fork server) or "spawn"
     phases: dict[str, float] = field(default_factory=dict)
     error: str | None = None
     at: float = field(default_factory=time.time)
@@ -96,6 +114,7 @@ class RestartReport:
             "ok": self.ok,
             "engine": self.engine,
             "weight_source": self.weight_source,
+            "path": self.path,
             "phases": {k: round(v, 4) for k, v in self.phases.items()},
             "error": self.error,
             "at": self.at,
@@ -104,8 +123,9 @@ class RestartReport:
 
 class EngineManager:
     def __init__(self, run_dir: Path, start_timeout: float, drain_timeout: float, crash_backoff: float,
-                 crash_backoff_max: float, metrics: Any = None) -> None:  # fmt: skip
+                 crash_backoff_max: float, metrics: Any = None, forker: ForkServer | None = None) -> None:  # fmt: skip
         self.run_dir = run_dir
+        self.forker = forker
         self.start_timeout = start_timeout
         self.drain_timeout = drain_timeout
         self.crash_backoff = crash_backoff
@@ -179,7 +199,7 @@ class EngineManager:
             if self.metrics is not None:
                 self.metrics.restart_done(report)
             log_event(log, "restart", reason=reason, strategy=strategy, ok=report.ok, engine=report.engine,
-                      weight_source=report.weight_source, error=report.error,
+                      weight_source=report.weight_source, path=report.path, error=report.error,
                       **{f"{k}_s": v for k, v in report.phases.items()})  # fmt: skip
             return report
 
@@ -211,11 +231,8 @@ class EngineManager:
         sock = self.run_dir / f"engine-{engine_id}.sock"
         log_path = self.run_dir / f"engine-{engine_id}.log"
         t = time.perf_counter()
-        with log_path.open("wb") as out:
-            process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "app.cli", "engine", "--socket", str(sock), "--config", json.dumps(config),
-                stdout=out, stderr=asyncio.subprocess.STDOUT,
-            )  # fmt: skip
+        argv = ["engine", "--socket", str(sock), "--config", json.dumps(config)]
+        process = await self._launch(argv, log_path, report)
         engine = Engine(engine_id, sock, log_path, config, process)
         self.engines[engine_id] = engine
         self._count_states()
@@ -240,6 +257,22 @@ class EngineManager:
         self._watchers.add(task)
         task.add_done_callback(self._watchers.discard)
         return engine
+
+    async def _launch(self, argv: list[str], log_path: Path, report: RestartReport) -> WorkerProcess:
+        """Fork the worker from the fork server (Python and torch already imported there), else spawn it."""
+        if self.forker is not None:
+            try:
+                process = await self.forker.spawn(argv, log_path)
+                report.path = "fork"
+                return process
+            except ForkServerUnavailable as exc:
+                log_event(log, "fork_fallback", reason=exc)
+                self.forker.restart_in_background()
+        with log_path.open("wb") as out:
+            spawned = await asyncio.create_subprocess_exec(sys.executable, "-m", "app.cli", *argv, stdout=out,
+                                                           stderr=asyncio.subprocess.STDOUT)  # fmt: skip
+        report.path = "spawn"
+        return spawned
 
     async def _until_healthy(self, engine: Engine) -> None:
         while True:

@@ -22,6 +22,7 @@ from typing import Any
 from app.cache_process import CacheHandle, start_or_adopt
 from app.config import ConfigError, Settings, load_settings
 from app.engines import EngineManager
+from app.fork_client import ForkServer, ForkServerUnavailable
 from app.gateway import GatewayState, create_gateway
 from app.metrics import GatewayMetrics
 from cache import events
@@ -135,10 +136,22 @@ async def _serve(settings: Settings, config_path: Path | None, overrides: dict[s
 
     metrics = GatewayMetrics()
     run_dir = settings.run_dir
-    cache = await start_or_adopt(model, run_dir / "cache.sock", settings.cache_device or settings.engine.device,
-                                 settings.engine.dtype, run_dir / "cache.log")  # fmt: skip
     r = settings.restart
-    manager = EngineManager(run_dir, r.start_timeout, r.drain_timeout, r.crash_backoff, r.crash_backoff_max, metrics)
+    forker = ForkServer(run_dir / "fork.sock", run_dir / "fork-server.log") if r.fork_server else None
+    forking = asyncio.create_task(forker.start()) if forker is not None else None  # imports torch meanwhile
+    try:
+        cache = await start_or_adopt(model, run_dir / "cache.sock", settings.cache_device or settings.engine.device,
+                                     settings.engine.dtype, run_dir / "cache.log")  # fmt: skip
+        if forking is not None:
+            await forking
+    except ForkServerUnavailable as exc:  # engines are spawned instead; a restart tries the fork server again
+        events.log_event(log, "fork_fallback", reason=exc)
+    except BaseException:
+        if forker is not None:
+            await forker.stop()
+        raise
+    manager = EngineManager(run_dir, r.start_timeout, r.drain_timeout, r.crash_backoff, r.crash_backoff_max, metrics,
+                            forker)  # fmt: skip
     supervisor = Supervisor(settings, config_path, overrides, model, cache, manager, metrics)
     try:
         report = await manager.start_first(settings.engine_config(model, cache.socket))
@@ -174,6 +187,8 @@ async def _serve(settings: Settings, config_path: Path | None, overrides: dict[s
         await server.serve()
     finally:
         await manager.close()
+        if forker is not None:
+            await forker.stop()
         await supervisor.cache.stop()
         events.log_event(log, "exit", seconds=time.perf_counter() - started)
 

@@ -314,6 +314,42 @@ def test_status_cli_reads_the_token_from_the_run_dir(gateway: Gateway) -> None:
     assert bad.returncode == 2 and bad.stderr.startswith("warmgate: error: no admin token"), bad.stderr
 
 
+def _ppid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _fork_server_pid(gateway: Gateway) -> int | None:
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+                if b"fork-server" in cmdline and str(gateway.run_dir).encode() in b" ".join(cmdline):
+                    return int(entry.name)
+            except OSError:
+                continue
+    return None
+
+
+def test_engines_are_forked_from_the_fork_server_and_spawned_while_it_is_gone(gateway: Gateway) -> None:
+    forks = _fork_server_pid(gateway)
+    assert forks is not None and _ppid(forks) == gateway.proc.pid
+    report = gateway.admin("POST", "/admin/restart").json()
+    assert report["ok"] and report["path"] == "fork", report
+    assert _ppid(gateway.active_pid()) == forks, "the active engine is the fork server's child"
+    os.kill(forks, signal.SIGKILL)
+    report = gateway.admin("POST", "/admin/restart").json()
+    assert report["ok"] and report["path"] == "spawn", report  # no fork server: the gateway spawns
+    assert _ppid(gateway.active_pid()) == gateway.proc.pid
+    deadline = time.monotonic() + 120
+    while (_fork_server_pid(gateway) in (None, forks)) or not (gateway.run_dir / "fork.sock").exists():
+        assert time.monotonic() < deadline, "the fork server was not started again"
+        time.sleep(0.2)
+    report = gateway.admin("POST", "/admin/restart").json()
+    assert report["ok"] and report["path"] == "fork", report
+    reply = gateway.client().completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=3, temperature=0)
+    assert reply.choices[0].text
+
+
 def test_a_failed_start_leaves_the_engine_serving_and_sighup_reloads(gateway: Gateway, model: Path) -> None:
     before = gateway.admin("GET", "/admin/status").json()["active"]
     # An engine that cannot start (no room for one sequence in its KV cache) is reported; nothing changes.

@@ -1,0 +1,177 @@
+"""The supervisor's side of the fork server (engine/fork_server.py): start it, ask it for workers.
+
+A forked worker is handed to the engine manager as a ForkedProcess, which offers what the manager
+uses of an asyncio subprocess (pid, returncode, wait, send_signal, kill): the exit code comes
+from the fork server, which reaps its children, over the connection that asked for the worker.
+When the fork server is gone the manager spawns workers itself and has this handle start a new
+fork server in the background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import struct
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from cache.events import log_event
+
+log = logging.getLogger("warmgate.gateway.forks")
+_HEADER = struct.Struct("!I")
+START_TIMEOUT = 120.0  # seconds for a new fork server to import torch and listen
+
+
+class ForkServerUnavailable(RuntimeError):
+    """No fork server answers; the caller spawns the worker itself."""
+
+
+class ForkedProcess:
+    """A worker forked by the fork server, seen as the asyncio subprocess the manager expects."""
+
+    def __init__(self, pid: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self._exited = asyncio.get_running_loop().create_task(self._exit_code(reader, writer))
+
+    async def _exit_code(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> int:
+        try:
+            message = await _read_message(reader)
+        except (OSError, asyncio.IncompleteReadError, ValueError):
+            message = None
+        finally:
+            writer.close()
+        if message is None or not isinstance(message.get("exit"), int):
+            # The fork server died first; its orphaned child was re-parented: watch the pid instead.
+            while _alive(self.pid):
+                await asyncio.sleep(0.1)
+            code = -signal.SIGKILL.value  # unknown; most likely killed
+        else:
+            code = message["exit"]
+        self.returncode = code
+        return code
+
+    async def wait(self) -> int:
+        return await asyncio.shield(self._exited)
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class ForkServer:
+    """A fork-server process of the gateway's, started on demand and restarted when it dies."""
+
+    def __init__(self, socket: Path, log_path: Path) -> None:
+        self.socket = socket
+        self.log_path = log_path
+        self.process: asyncio.subprocess.Process | None = None
+        self._starting: asyncio.Task[None] | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.returncode is None and self.socket.exists()
+
+    async def start(self) -> None:
+        """Start the fork server and wait until it listens (it imports torch and the engine first)."""
+        t = time.perf_counter()
+        with self.log_path.open("ab") as out:
+            self.process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "app.cli", "fork-server", "--socket", str(self.socket),
+                stdout=out, stderr=asyncio.subprocess.STDOUT,
+            )  # fmt: skip
+        deadline = time.monotonic() + START_TIMEOUT
+        while not self._listening():
+            if self.process.returncode is not None or time.monotonic() > deadline:
+                raise ForkServerUnavailable(f"the fork server did not start; log: {self.log_path}")
+            await asyncio.sleep(0.05)
+        log_event(log, "fork_server_ready", pid=self.process.pid, seconds=time.perf_counter() - t)
+
+    def _listening(self) -> bool:
+        if not self.socket.exists():
+            return False
+        with contextlib.suppress(OSError), open_socket(self.socket):
+            return True
+        return False
+
+    def restart_in_background(self) -> None:
+        """Start a new fork server unless one is running or starting."""
+        if self.running or (self._starting is not None and not self._starting.done()):
+            return
+
+        async def restart() -> None:
+            with contextlib.suppress(ForkServerUnavailable):
+                await self.stop()
+                await self.start()
+
+        self._starting = asyncio.get_running_loop().create_task(restart())
+
+    async def spawn(self, argv: list[str], log_path: Path) -> ForkedProcess:
+        """A worker running ``warmgate <argv>`` forked from the server, its output in ``log_path``."""
+        if not self.running:
+            raise ForkServerUnavailable("the fork server is not running")
+        try:
+            reader, writer = await asyncio.open_unix_connection(str(self.socket))
+            body = json.dumps({"op": "spawn", "argv": argv, "log": str(log_path)}).encode()
+            writer.write(_HEADER.pack(len(body)) + body)
+            await writer.drain()
+            reply = await asyncio.wait_for(_read_message(reader), 30)
+        except (OSError, asyncio.IncompleteReadError, TimeoutError, ValueError) as exc:
+            raise ForkServerUnavailable(f"the fork server did not answer: {exc}") from None
+        if reply is None or not reply.get("ok"):
+            writer.close()
+            raise ForkServerUnavailable(f"the fork server refused: {reply}")
+        return ForkedProcess(int(reply["pid"]), reader, writer)
+
+    async def stop(self) -> None:
+        if self.process is not None and self.process.returncode is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(self.process.wait(), 10)
+            except TimeoutError:
+                self.process.kill()
+                await self.process.wait()
+
+
+async def _read_message(reader: asyncio.StreamReader) -> dict[str, Any] | None:
+    try:
+        header = await reader.readexactly(_HEADER.size)
+    except asyncio.IncompleteReadError as exc:
+        if not exc.partial:
+            return None
+        raise
+    (length,) = _HEADER.unpack(header)
+    message = json.loads(await reader.readexactly(length))
+    if not isinstance(message, dict):
+        raise ValueError("the fork server sent something other than a JSON object")
+    return message
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie: an orphan's new parent may be slow to reap it (or never do)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def open_socket(path: Path) -> Any:
+    import socket
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(str(path))
+    except OSError:
+        sock.close()
+        raise
+    return sock

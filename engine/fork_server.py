@@ -1,0 +1,222 @@
+"""A parent that has already imported torch and the engine, and forks engine workers on request.
+
+A spawned worker pays Python and torch start-up on every restart (3.5-4.8 s of a 5-6 s restart on
+the H200); a forked one starts with those modules in memory. Forking is safe here because this
+process never initializes CUDA (it imports torch, touches no device, and checks that before each
+fork), starts no threads (one select loop; SIGCHLD arrives through a wakeup pipe), and holds no
+GPU handles or open model files: the child creates its own CUDA context, sockets and threads.
+
+Protocol: one Unix-socket connection per worker, length-prefixed JSON (cache/protocol.py's
+framing, no pickle). The supervisor sends ``{"op": "spawn", "argv": [...], "log": PATH}``; the
+server forks, answers ``{"ok": true, "pid": N}``, and when it reaps that worker sends
+``{"exit": CODE}`` (negative: killed by that signal) on the same connection and closes it. A
+supervisor that closes the connection first only gives up the exit notice; the worker lives on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import selectors
+import signal
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from cache.events import configure_logging, log_event
+from cache.protocol import ProtocolError, error_reply, recv_message, send_message
+from cache.uds import bind_unix_socket
+
+log = logging.getLogger("warmgate.engine.fork_server")
+REQUEST_TIMEOUT = 5.0  # seconds a client has to send its spawn request once connected
+
+ChildMain = Callable[[Sequence[str]], int]  # the worker's command line -> its exit code
+
+
+def preload() -> float:
+    """Import what every worker imports (torch, the engine, its HTTP server); seconds it took."""
+    t = time.perf_counter()
+    import fastapi  # noqa: F401
+    import torch
+    import uvicorn  # noqa: F401
+
+    import engine.llm_engine
+    import engine.server
+    import engine.tokenizer
+    import engine.worker  # noqa: F401
+
+    assert not torch.cuda.is_initialized(), "the fork server must not touch CUDA"
+    return time.perf_counter() - t
+
+
+def serve(socket_path: Path, child_main: ChildMain) -> int:
+    """Serve spawn requests on ``socket_path`` until SIGTERM/SIGINT; each child runs ``child_main(argv)``."""
+    configure_logging()
+    log_event(log, "startup", phase="begin", socket=socket_path, pid=os.getpid())
+    log_event(log, "startup", phase="import", seconds=preload())
+    server = _ForkServer(socket_path, child_main)
+    log_event(log, "ready", socket=socket_path)
+    try:
+        server.run()
+    finally:
+        server.close()
+    log_event(log, "exit", children_running=len(server.children))
+    return 0
+
+
+class _ForkServer:
+    def __init__(self, socket_path: Path, child_main: ChildMain) -> None:
+        self.socket_path = socket_path
+        self.child_main = child_main
+        self.listener = bind_unix_socket(socket_path)
+        self.listener.setblocking(False)
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.listener, selectors.EVENT_READ, "accept")
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_r, False)
+        os.set_blocking(self.wake_w, False)
+        self.selector.register(self.wake_r, selectors.EVENT_READ, "signal")
+        self.children: dict[int, socket.socket | None] = {}  # pid -> the connection awaiting its exit
+        self.stopping = False
+        signal.set_wakeup_fd(self.wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)  # delivered through the wakeup pipe
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._stop)
+
+    def _stop(self, signum: int, _frame: Any) -> None:
+        self.stopping = True
+
+    def run(self) -> None:
+        while not self.stopping:
+            for key, _ in self.selector.select():
+                if key.data == "accept":
+                    self._accept()
+                elif key.data == "signal":
+                    while True:
+                        try:
+                            if not os.read(self.wake_r, 512):
+                                break
+                        except BlockingIOError:
+                            break
+                    self._reap()
+                else:  # the supervisor closed a connection: it no longer wants that exit notice
+                    self._forget(key.fileobj)  # type: ignore[arg-type]
+
+    def _accept(self) -> None:
+        try:
+            conn, _ = self.listener.accept()
+        except BlockingIOError:
+            return
+        conn.setblocking(True)
+        conn.settimeout(REQUEST_TIMEOUT)
+        try:
+            message = recv_message(conn)
+            if message is None:
+                conn.close()
+                return
+            request = message[0]
+            argv, log_path = request.get("argv"), request.get("log")
+            if request.get("op") != "spawn" or not isinstance(argv, list) or not _strings(argv) \
+                    or not isinstance(log_path, str):
+                expected = 'expected {"op": "spawn", "argv": [...], "log": path}'
+                send_message(conn, error_reply("invalid_request", expected))
+                conn.close()
+                return
+            pid = self._fork(argv, Path(log_path), conn)
+            send_message(conn, {"ok": True, "pid": pid})
+        except (OSError, ProtocolError) as exc:
+            log.warning("event=spawn_request_failed error=%s", exc)
+            conn.close()
+            return
+        conn.settimeout(None)
+        self.children[pid] = conn
+        self.selector.register(conn, selectors.EVENT_READ, pid)
+        log_event(log, "forked", pid=pid, argv=" ".join(argv))
+
+    def _fork(self, argv: list[str], log_path: Path, conn: socket.socket) -> int:
+        import torch
+
+        if torch.cuda.is_initialized():  # never fork a process holding a CUDA context
+            raise OSError("the fork server has initialized CUDA; refusing to fork")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid:
+            return pid
+        code = 1
+        try:
+            conn.close()
+            self._become_child(log_path)
+            code = self.child_main(argv)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+    def _become_child(self, log_path: Path) -> None:
+        """Drop everything of the server's, take the log as stdout/stderr, reseed the random generators."""
+        os.setsid()  # its own session: signals for the fork server's process group do not reach it
+        signal.set_wakeup_fd(-1)
+        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_DFL)
+        self.selector.close()
+        self.listener.close()
+        for conn in self.children.values():
+            if conn is not None:
+                conn.close()
+        os.close(self.wake_r)
+        os.close(self.wake_w)
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        import torch
+
+        random.seed()
+        torch.seed()  # forked workers would otherwise share the server's generator state
+
+    def _reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            code = os.waitstatus_to_exitcode(status)
+            conn = self.children.pop(pid, None)
+            log_event(log, "child_exit", pid=pid, code=code)
+            if conn is not None:
+                self.selector.unregister(conn)
+                with contextlib.suppress(OSError):  # the supervisor may be gone
+                    send_message(conn, {"exit": code})
+                conn.close()
+
+    def _forget(self, conn: socket.socket) -> None:
+        self.selector.unregister(conn)
+        conn.close()
+        for pid, c in self.children.items():
+            if c is conn:
+                self.children[pid] = None
+
+    def close(self) -> None:
+        self.selector.close()
+        self.listener.close()
+        self.socket_path.unlink(missing_ok=True)
+        for conn in self.children.values():
+            if conn is not None:
+                conn.close()
+
+
+def _strings(value: object) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(v, str) for v in value)
