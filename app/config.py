@@ -59,6 +59,9 @@ class RestartSettings(_Section):
     crash_backoff_max: Annotated[float, Field(gt=0)] = 30.0
     request_retries: Annotated[int, Field(ge=0)] = 3  # retries of a request that produced no output yet
     fork_server: bool = True  # fork engines from a process that has imported torch (else spawn each one)
+    standby: Annotated[int, Field(ge=0, le=8)] = 1  # fully started engines kept for the next restart or crash
+    health_interval: Annotated[float, Field(gt=0)] = 1.0  # seconds between /health polls of each engine
+    health_timeout: Annotated[float, Field(gt=0)] = 10.0  # an engine silent this long is killed and replaced
 
 
 class Settings(BaseSettings):

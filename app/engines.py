@@ -1,9 +1,17 @@
-"""The engine manager: spawns engine workers, promotes one to active, replaces it, restarts crashes.
+"""The engine manager: starts engine workers, keeps standbys, promotes one to active, replaces crashes.
 
 Explicit states, as in gunicorn's Arbiter:
 
     starting -> ready -> active -> draining -> stopped
-        \\-> failed (did not start)      active -> failed (crashed) -> a replacement starts
+                     \\-> standby -> active (promoted)
+        \\-> failed (did not start)      active/standby -> failed (crashed, or hung and killed)
+
+Desired state: one active engine and ``standby`` standbys for the current config. A standby is
+a fully started engine (weights attached, graphs captured, probe answered) that takes no traffic;
+a restart, a crash of the active engine or a reload promotes one when its config matches, which
+costs a switch instead of a start. A reconcile loop, woken whenever what runs changes, starts or
+retires standbys until they match; a liveness loop polls every engine's /health and kills one
+that stops answering (SIGSTOP, a hung kernel), which then counts as a crash.
 
 Strategies: ``overlap`` starts the new engine, switches once it answered a real 1-token probe,
 then drains and stops the old one; ``replace`` drains and stops the old one first, while
@@ -39,6 +47,7 @@ class EngineState(StrEnum):
     STARTING = "starting"
     READY = "ready"
     ACTIVE = "active"
+    STANDBY = "standby"
     DRAINING = "draining"
     STOPPED = "stopped"
     FAILED = "failed"
@@ -106,6 +115,7 @@ class RestartReport:
     phases: dict[str, float] = field(default_factory=dict)
     error: str | None = None
     at: float = field(default_factory=time.time)
+    switched_at: float | None = None  # wall clock when the new engine took traffic
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -118,14 +128,22 @@ class RestartReport:
             "phases": {k: round(v, 4) for k, v in self.phases.items()},
             "error": self.error,
             "at": self.at,
+            "switched_at": self.switched_at,
         }
 
 
 class EngineManager:
     def __init__(self, run_dir: Path, start_timeout: float, drain_timeout: float, crash_backoff: float,
-                 crash_backoff_max: float, metrics: Any = None, forker: ForkServer | None = None) -> None:  # fmt: skip
+                 crash_backoff_max: float, metrics: Any = None, forker: ForkServer | None = None, standby: int = 0,
+                 health_interval: float = 1.0, health_timeout: float = 10.0) -> None:  # fmt: skip
         self.run_dir = run_dir
         self.forker = forker
+        self.standby_count = standby
+        self.health_interval = health_interval
+        self.health_timeout = health_timeout
+        self.standbys: list[Engine] = []
+        self._reconcile_wake = asyncio.Event()
+        self._loops: list[asyncio.Task[None]] = []
         self.start_timeout = start_timeout
         self.drain_timeout = drain_timeout
         self.crash_backoff = crash_backoff
@@ -164,7 +182,10 @@ class EngineManager:
     # -- lifecycle --------------------------------------------------------------------------
 
     async def start_first(self, config: dict[str, Any]) -> RestartReport:
-        return await self.restart(config, "overlap", reason="start")
+        report = await self.restart(config, "overlap", reason="start")
+        if not self._loops:
+            self._loops = [asyncio.create_task(self._reconcile_loop()), asyncio.create_task(self._liveness_loop())]
+        return report
 
     async def restart(self, config: dict[str, Any] | None, strategy: str, reason: str) -> RestartReport:
         """Replace the active engine by one with ``config`` (none: the current config)."""
@@ -174,16 +195,25 @@ class EngineManager:
             t0 = time.perf_counter()
             old = self.active
             try:
+                t = time.perf_counter()
+                standby = await self._take_standby(config)
+                if standby is not None:
+                    report.phases["probe"] = time.perf_counter() - t
                 if strategy == "replace" and old is not None:
                     await self._set_active(None)
                     t = time.perf_counter()
                     await self._drain_and_stop(old)
                     report.phases["drain"] = time.perf_counter() - t
-                engine = await self._start(config, report)
+                if standby is not None:
+                    engine, report.path = standby, "standby"
+                else:
+                    engine = await self._start(config, report)
                 t = time.perf_counter()
                 await self._set_active(engine)
                 report.phases["switch"] = time.perf_counter() - t
+                report.switched_at = time.time()
                 self._config = config
+                self._reconcile_wake.set()  # a new standby for this config, old ones retired
                 if strategy == "overlap" and old is not None:
                     t = time.perf_counter()
                     await self._drain_and_stop(old)
@@ -205,16 +235,102 @@ class EngineManager:
 
     async def close(self) -> None:
         self._closing = True
-        for task in list(self._watchers):
+        for task in [*self._watchers, *self._loops]:
             task.cancel()
         await asyncio.gather(*[self._stop(e) for e in list(self.engines.values())], return_exceptions=True)
 
     def status(self) -> dict[str, Any]:
         return {
             "active": self.active.id if self.active else None,
+            "standbys": [e.id for e in self.standbys],
             "engines": [e.describe() for e in self.engines.values()],
             "restarts": [r.to_json() for r in self.reports],
         }
+
+    def set_desired(self, standby: int, health_interval: float, health_timeout: float) -> None:
+        """New restart settings (a reload): the reconcile loop starts or retires standbys to match."""
+        self.standby_count, self.health_interval, self.health_timeout = standby, health_interval, health_timeout
+        self._reconcile_wake.set()
+
+    # -- standbys and liveness -----------------------------------------------------------------
+
+    async def _take_standby(self, config: dict[str, Any]) -> Engine | None:
+        """A standby started with ``config`` that still answers a 1-token probe, taken out of the pool."""
+        while True:
+            standby = next((e for e in self.standbys if e.config == config and e.process.returncode is None), None)
+            if standby is None:
+                return None
+            self.standbys.remove(standby)
+            try:
+                await asyncio.wait_for(self._probe(standby), min(self.start_timeout, 30))
+                return standby
+            except (TimeoutError, EngineStartError, httpx.HTTPError) as exc:
+                log_event(log, "standby_refused", engine=standby.id, error=f"{type(exc).__name__}: {exc}")
+                standby.state = EngineState.FAILED
+                await self._stop(standby, final=EngineState.FAILED)
+
+    async def _reconcile_loop(self) -> None:
+        """Start or retire standbys until ``standby_count`` of them run the current config."""
+        delay = self.crash_backoff
+        while not self._closing:
+            await self._reconcile_wake.wait()
+            self._reconcile_wake.clear()
+            current = [e for e in self.standbys if e.config == self._config]
+            # Standbys of another config, and any beyond the wanted number, are retired.
+            for stale in [e for e in self.standbys if e.config != self._config] + current[self.standby_count :]:
+                self.standbys.remove(stale)
+                stale.state = EngineState.DRAINING  # its exit is not a crash
+                await self._stop(stale)
+            while not self._closing and self.active is not None and len(self.standbys) < self.standby_count:
+                config = self._config
+                report = RestartReport(reason="standby", strategy="standby", ok=False)
+                try:
+                    engine = await self._start(config, report)
+                except EngineStartError as exc:
+                    log_event(log, "standby_failed", error=exc)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, self.crash_backoff_max)
+                    continue
+                delay = self.crash_backoff
+                if config != self._config or self._closing:  # the config changed while it started
+                    engine.state = EngineState.DRAINING
+                    await self._stop(engine)
+                    continue
+                engine.state = EngineState.STANDBY
+                self.standbys.append(engine)
+                self._count_states()
+                log_event(log, "standby_ready", engine=engine.id, path=report.path,
+                          **{f"{k}_s": v for k, v in report.phases.items()})  # fmt: skip
+
+    async def _liveness_loop(self) -> None:
+        """Poll every running engine's /health; one that has not answered for health_timeout is killed."""
+        last_answer: dict[int, float] = {}
+        while not self._closing:
+            await asyncio.sleep(self.health_interval)
+            engines = [e for e in self.engines.values() if e.state in (EngineState.ACTIVE, EngineState.STANDBY)]
+            results = await asyncio.gather(*(self._answers(e) for e in engines))
+            now = time.monotonic()
+            for engine, answered in zip(engines, results, strict=True):
+                seen = last_answer.setdefault(engine.id, now)
+                if answered:
+                    last_answer[engine.id] = now
+                elif now - seen > self.health_timeout and engine.process.returncode is None:
+                    log_event(log, "engine_hung", engine=engine.id, pid=engine.process.pid, silent_s=now - seen)
+                    with contextlib.suppress(ProcessLookupError):
+                        engine.process.kill()  # its watcher takes it from here, as for a crash
+            for gone in set(last_answer) - {e.id for e in engines}:
+                del last_answer[gone]
+
+    async def _answers(self, engine: Engine) -> bool:
+        try:
+            response = await engine.http().get("/health", timeout=self.health_interval + 1)
+        except (httpx.HTTPError, OSError):
+            return False
+        if response.status_code == 200:
+            return True
+        with contextlib.suppress(ValueError):  # 503 while draining is alive; "dead" (no scheduler thread) is not
+            return bool(response.json().get("status") == "draining")
+        return False
 
     # -- internals --------------------------------------------------------------------------
 
@@ -326,6 +442,9 @@ class EngineManager:
         code = await engine.process.wait()
         if self._closing or engine.state in (EngineState.DRAINING, EngineState.STOPPED, EngineState.FAILED):
             return
+        if engine in self.standbys:
+            self.standbys.remove(engine)
+            self._reconcile_wake.set()
         was_active = self.active is engine
         engine.state = EngineState.FAILED
         if was_active:

@@ -93,6 +93,8 @@ class Supervisor:
     def _apply(self, new: Settings) -> None:
         # Gateway host/port and the run dir take effect at the next start; the rest now.
         self.settings = new.model_copy(update={"gateway": self.settings.gateway, "run_dir": self.settings.run_dir})
+        r = self.settings.restart
+        self.manager.set_desired(r.standby, r.health_interval, r.health_timeout)
 
     def status(self) -> dict[str, Any]:
         try:
@@ -151,7 +153,7 @@ async def _serve(settings: Settings, config_path: Path | None, overrides: dict[s
             await forker.stop()
         raise
     manager = EngineManager(run_dir, r.start_timeout, r.drain_timeout, r.crash_backoff, r.crash_backoff_max, metrics,
-                            forker)  # fmt: skip
+                            forker, r.standby, r.health_interval, r.health_timeout)  # fmt: skip
     supervisor = Supervisor(settings, config_path, overrides, model, cache, manager, metrics)
     try:
         report = await manager.start_first(settings.engine_config(model, cache.socket))

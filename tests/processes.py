@@ -132,3 +132,69 @@ def memfd_arenas(pid: int) -> set[int]:
         if len(fields) >= 6 and "memfd:warmgate-arena" in fields[5]:
             inodes.add(int(fields[4]))
     return inodes
+
+
+GATEWAY_START_DEADLINE = 180.0
+
+
+@dataclass
+class Gateway:
+    """A `warmgate serve` process on a free loopback port, with its run dir and log."""
+
+    proc: subprocess.Popen[bytes]
+    url: str
+    run_dir: Path
+    config: Path
+    log_path: Path
+
+    def token(self) -> str:
+        return (self.run_dir / "admin-token").read_text().strip()
+
+    def admin(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        headers = {"authorization": f"Bearer {self.token()}"}
+        return httpx.request(method, f"{self.url}{path}", headers=headers, timeout=300, **kwargs)
+
+    def status(self) -> dict[str, Any]:
+        return self.admin("GET", "/admin/status").json()  # type: ignore[no-any-return]
+
+    def active_pid(self) -> int | None:
+        status = self.status()
+        return next((e["pid"] for e in status["engines"] if e["id"] == status["active"]), None)
+
+    def stop(self) -> None:
+        """SIGTERM; the gateway must exit 0 and leave no socket behind."""
+        self.proc.send_signal(signal.SIGTERM)
+        assert self.proc.wait(timeout=120) == 0, self.log_path.read_text()[-3000:]
+        assert not list(self.run_dir.glob("*.sock")), "sockets left behind"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_gateway(root: Path, config_text: str) -> Gateway:
+    """Write the config, start `warmgate serve` and wait until /ready answers 200."""
+    config = root / "warmgate.toml"
+    config.write_text(config_text)
+    port = free_port()
+    log_path = root / "serve.log"
+    cmd = [sys.executable, "-m", "app.cli", "serve", "--config", str(config), "--port", str(port),
+           "--run-dir", str(root / "run")]  # fmt: skip
+    with log_path.open("wb") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    gw = Gateway(proc, f"http://127.0.0.1:{port}", root / "run", config, log_path)
+    deadline = time.monotonic() + GATEWAY_START_DEADLINE
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log_path.read_text()
+        try:
+            if httpx.get(f"{gw.url}/ready", timeout=30).status_code == 200:
+                return gw
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    pytest.fail(f"gateway not ready:\n{log_path.read_text()}")

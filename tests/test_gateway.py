@@ -6,55 +6,28 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 import openai
+import processes
 import pytest
 from processes import REPO
 
-START_DEADLINE = 180.0
 MODEL_NAME = "demo"
 API_KEY = "sk-warmgate-test"
 AUTH = {"authorization": f"Bearer {API_KEY}"}
 
 
-@dataclass
-class Gateway:
-    proc: subprocess.Popen[bytes]
-    url: str
-    run_dir: Path
-    config: Path
-    log_path: Path
-
-    def token(self) -> str:
-        return (self.run_dir / "admin-token").read_text().strip()
-
-    def admin(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        headers = {"authorization": f"Bearer {self.token()}"}
-        return httpx.request(method, f"{self.url}{path}", headers=headers, timeout=300, **kwargs)
-
+class Gateway(processes.Gateway):
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, timeout=120, max_retries=0)
-
-    def active_pid(self) -> int | None:
-        status = self.admin("GET", "/admin/status").json()
-        return next((e["pid"] for e in status["engines"] if e["id"] == status["active"]), None)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def write_config(path: Path, model: Path, max_num_seqs: int = 8, default_max_tokens: int = 256) -> None:
@@ -77,31 +50,11 @@ def model(demo_path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def gateway(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     root = tmp_path_factory.mktemp("gateway")
-    config = root / "warmgate.toml"
-    write_config(config, model)
-    port = _free_port()
-    log_path = root / "serve.log"
-    cmd = [sys.executable, "-m", "app.cli", "serve", "--config", str(config), "--port", str(port),
-           "--run-dir", str(root / "run")]  # fmt: skip
-    with log_path.open("wb") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
-    gw = Gateway(proc, f"http://127.0.0.1:{port}", root / "run", config, log_path)
-    deadline = time.monotonic() + START_DEADLINE
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, log_path.read_text()
-        try:
-            if httpx.get(f"{gw.url}/ready", timeout=30).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    else:
-        proc.kill()
-        pytest.fail(f"gateway not ready:\n{log_path.read_text()}")
+    write_config(root / "warmgate.toml", model)
+    started = processes.start_gateway(root, (root / "warmgate.toml").read_text())
+    gw = Gateway(**{f: getattr(started, f) for f in ("proc", "url", "run_dir", "config", "log_path")})
     yield gw
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=120) == 0, log_path.read_text()[-3000:]
-    assert not list((root / "run").glob("*.sock")), "sockets left behind"
+    gw.stop()
 
 
 def test_openai_client_chat_completions_streaming_stops_and_errors(gateway: Gateway) -> None:
@@ -256,8 +209,11 @@ def test_no_dropped_requests_across_restarts_reload_and_crashes(gateway: Gateway
     assert all(r["ok"] and r["weight_source"] == "ipc" for r in reports), reports
     assert {r["strategy"] for r in reports} == {"overlap", "replace"}
     for report in reports:
-        for phase in ("spawn", "init", "weight_load", "warmup", "probe", "switch", "drain", "total"):
+        # A promoted standby started earlier: its report has no start-up phases of its own.
+        started = () if report["path"] == "standby" else ("spawn", "init", "weight_load", "warmup")
+        for phase in (*started, "probe", "switch", "drain", "total"):
             assert phase in report["phases"], (phase, report)
+    assert {r["path"] for r in reports} <= {"standby", "fork"}, "every new engine was forked or promoted"
     # Non-streaming requests never fail: not started -> retried on the replacement.
     assert outcomes["failed"] == 0, [e for e in load.errors if e.startswith("failed")][:5]
     assert outcomes["ok"] > 0 and outcomes["stream_ok"] > 0 and outcomes["short"] == 0

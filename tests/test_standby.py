@@ -1,0 +1,172 @@
+"""Standby engines behind `warmgate serve` (CPU, the fp8-block demo): promotion on restart, crash and hang,
+and twenty restarts under load that leave nothing behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from processes import Gateway, proc_status, start_gateway
+
+HEALTH_TIMEOUT = 4.0
+
+
+@pytest.fixture(scope="module")
+def gateway(demo_path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    root = tmp_path_factory.mktemp("standby")
+    config = (f'model = "{demo_path("fp8-block")}"\nserved_model_name = "demo"\n\n'
+              "[engine]\nmax_num_seqs = 4\nmax_model_len = 256\ndefault_max_tokens = 8\n\n"
+              '[restart]\nstrategy = "overlap"\nstandby = 1\nhealth_interval = 0.5\n'
+              f"health_timeout = {HEALTH_TIMEOUT}\ndrain_timeout = 30\nqueue_timeout = 120\n")  # fmt: skip
+    gw = start_gateway(root, config)
+    yield gw
+    gw.stop()
+
+
+def _wait_for(condition, seconds: float, what: str) -> Any:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.1)
+    pytest.fail(f"{what} within {seconds} s")
+
+
+def _standby(gateway: Gateway, other_than: int | None = None) -> int:
+    """The id of a ready standby (not ``other_than``), waiting for one."""
+
+    def ready() -> int | None:
+        ids = gateway.status()["standbys"]
+        return next((i for i in ids if i != other_than), None)
+
+    return int(_wait_for(ready, 120, "a standby was not ready"))
+
+
+def _complete(gateway: Gateway) -> str:
+    body = {"model": "demo", "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+    response = httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return str(response.json()["choices"][0]["text"])
+
+
+def test_a_restart_promotes_the_standby_and_a_new_one_is_built(gateway: Gateway) -> None:
+    standby = _standby(gateway)
+    before = _complete(gateway)
+    report = gateway.admin("POST", "/admin/restart").json()
+    assert report["ok"] and report["path"] == "standby" and report["engine"] == standby, report
+    assert "spawn" not in report["phases"], "a promotion starts nothing"
+    assert gateway.status()["active"] == standby
+    assert _complete(gateway) == before
+    _standby(gateway, other_than=standby)  # the pool is refilled in the background
+    states = Counter(e["state"] for e in gateway.status()["engines"])
+    assert states == {"active": 1, "standby": 1}, states
+
+
+def _crash_reports(gateway: Gateway) -> list[dict[str, Any]]:
+    return [r for r in gateway.status()["restarts"] if r["reason"] == "crash"]
+
+
+def test_kill_9_of_the_active_engine_promotes_the_standby(gateway: Gateway) -> None:
+    standby = _standby(gateway)
+    crashes = len(_crash_reports(gateway))
+    os.kill(gateway.active_pid(), signal.SIGKILL)
+    _wait_for(lambda: len(_crash_reports(gateway)) > crashes, 60, "no crash recovery")
+    report = _crash_reports(gateway)[-1]
+    assert report["ok"] and report["path"] == "standby" and report["engine"] == standby, report
+    assert _complete(gateway)
+
+
+def test_a_stopped_engine_is_killed_and_replaced_within_the_health_timeout(gateway: Gateway) -> None:
+    _standby(gateway)
+    crashes = len(_crash_reports(gateway))
+    hung = gateway.active_pid()
+    assert hung is not None
+    os.kill(hung, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    try:
+        replaced = lambda: len(_crash_reports(gateway)) > crashes  # noqa: E731
+        _wait_for(replaced, HEALTH_TIMEOUT + 30, "the hung engine was not replaced")
+        took = time.monotonic() - stopped_at
+        assert took > HEALTH_TIMEOUT - 1, "replaced before it could have been found silent"
+        assert _crash_reports(gateway)[-1]["path"] == "standby"
+        assert not Path(f"/proc/{hung}").exists() or "Z" in Path(f"/proc/{hung}/stat").read_text().split(")")[1][:3]
+        assert "event=engine_hung" in gateway.log_path.read_text()
+        assert _complete(gateway)
+    finally:
+        if Path(f"/proc/{hung}").exists():
+            os.kill(hung, signal.SIGKILL)
+
+
+def _gateway_children(gateway: Gateway) -> set[int]:
+    """Every live process below the gateway, forked engines (children of the fork server) included."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if stat[0] != "Z":
+                parents[int(entry.name)] = int(stat[1])
+    found, frontier = set(), {gateway.proc.pid}
+    while frontier:
+        frontier = {pid for pid, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def test_twenty_restarts_under_load_fail_no_request_and_leave_nothing_behind(gateway: Gateway) -> None:
+    _standby(gateway)
+    _complete(gateway)
+    processes, fds = len(_gateway_children(gateway)), len(os.listdir(f"/proc/{gateway.proc.pid}/fd"))
+    rss = proc_status(gateway.proc.pid)["VmRSS"]
+    failures: list[str] = []
+    done = Counter()
+    stop = threading.Event()
+
+    def client(stream: bool) -> None:
+        with httpx.Client(base_url=gateway.url, timeout=120) as http:
+            while not stop.is_set():
+                body = {"model": "demo", "prompt": "Count: one, two,", "max_tokens": 6, "temperature": 0,
+                        "stream": stream}  # fmt: skip
+                try:
+                    response = http.post("/v1/completions", json=body)
+                    if response.status_code != 200 or ("error" in response.text and stream):
+                        failures.append(f"{response.status_code} {response.text[:200]}")
+                    done[stream] += 1
+                except httpx.HTTPError as exc:
+                    failures.append(repr(exc))
+
+    threads = [threading.Thread(target=client, args=(i % 2 == 0,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    paths = Counter()
+    try:
+        for i in range(20):
+            report = gateway.admin("POST", "/admin/restart", json={"strategy": "overlap" if i % 2 else "replace"})
+            assert report.status_code == 200 and report.json()["ok"], report.text
+            paths[report.json()["path"]] += 1
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+    assert not failures, failures[:5]
+    assert done[True] > 20 and done[False] > 20, done
+    assert paths["standby"] >= 1, paths
+    _standby(gateway)
+    _wait_for(lambda: Counter(e["state"] for e in gateway.status()["engines"]) == {"active": 1, "standby": 1}, 60,
+              "old engines did not go away")  # fmt: skip
+    cache = gateway.status()["cache"]
+    assert len(cache["leases"]) == 2, cache  # the active engine's and the standby's, no leftovers
+    assert len(_gateway_children(gateway)) == processes, "engines left running"
+    assert len(os.listdir(f"/proc/{gateway.proc.pid}/fd")) <= fds + 4, "file descriptors leak"
+    assert proc_status(gateway.proc.pid)["VmRSS"] < rss + 64 * 2**20, "the gateway grew by more than 64 MiB"
