@@ -13,6 +13,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -289,18 +290,22 @@ def _fork_server_pid(gateway: Gateway) -> int | None:
 def test_engines_are_forked_from_the_fork_server_and_spawned_while_it_is_gone(gateway: Gateway) -> None:
     forks = _fork_server_pid(gateway)
     assert forks is not None and _ppid(forks) == gateway.proc.pid
-    report = gateway.admin("POST", "/admin/restart").json()
+
+    def fresh_restart(tokens: int) -> dict[str, Any]:  # another config: no standby matches, an engine starts
+        return gateway.admin("POST", "/admin/restart", json={"engine": {"default_max_tokens": tokens}}).json()
+
+    report = fresh_restart(255)
     assert report["ok"] and report["path"] == "fork", report
     assert _ppid(gateway.active_pid()) == forks, "the active engine is the fork server's child"
     os.kill(forks, signal.SIGKILL)
-    report = gateway.admin("POST", "/admin/restart").json()
+    report = fresh_restart(254)
     assert report["ok"] and report["path"] == "spawn", report  # no fork server: the gateway spawns
     assert _ppid(gateway.active_pid()) == gateway.proc.pid
     deadline = time.monotonic() + 120
     while (_fork_server_pid(gateway) in (None, forks)) or not (gateway.run_dir / "fork.sock").exists():
         assert time.monotonic() < deadline, "the fork server was not started again"
         time.sleep(0.2)
-    report = gateway.admin("POST", "/admin/restart").json()
+    report = fresh_restart(256)
     assert report["ok"] and report["path"] == "fork", report
     reply = gateway.client().completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=3, temperature=0)
     assert reply.choices[0].text
