@@ -1,0 +1,277 @@
+"""Restart paths of `warmgate serve` under streaming load: standby promotion, kill -9, fork server, spawn, reload.
+
+    python3 bench/restart_paths.py --model /tmp/wg/llama3-8b-fp8-block --device cuda --clients 32 --out $OUT  # H200
+    .venv/bin/python bench/restart_paths.py --device cpu --clients 4 --out bench/results                     # demo
+
+C clients stream completions back to back the whole time (distinct ~160-token prompts, 64 tokens).
+*to first token*: from the restart request (or the kill -9) to the first token of a request served
+by the new engine: a watcher polls /admin/status every 5 ms and, the moment the active engine is
+the new one, sends a streamed 1-token completion; the time of its first token counts. Standby
+restarts wait for a new standby between rounds. Failed requests are counted per round. Writes
+restart_paths.json and restart_paths.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+class Load:
+    """Clients streaming completions; every token's arrival time is kept (wall clock)."""
+
+    def __init__(self, url: str, clients: int, vocab: int, output: int) -> None:
+        self.url, self.vocab, self.output = url, vocab, output
+        self.requests: list[dict[str, Any]] = []
+        self.failures: list[str] = []
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(clients)]
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    def finish(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=300)
+
+    def _client(self, seed: int) -> None:
+        rng = random.Random(seed)
+        with httpx.Client(base_url=self.url, timeout=300) as http:
+            while not self.stop.is_set():
+                prompt = [rng.randrange(1000, self.vocab - 1000) for _ in range(rng.randint(157, 163))]
+                body = {"prompt": prompt, "max_tokens": self.output, "temperature": 0, "ignore_eos": True,
+                        "stream": True}  # fmt: skip
+                record: dict[str, Any] = {"start": time.time(), "tokens": []}
+                try:
+                    with http.stream("POST", "/v1/completions", json=body) as response:
+                        if response.status_code != 200:
+                            raise RuntimeError(f"HTTP {response.status_code}")
+                        for line in response.iter_lines():
+                            if line.startswith("data: {"):
+                                event = json.loads(line[6:])
+                                if "error" in event:
+                                    raise RuntimeError(event["error"].get("message"))
+                                if event.get("choices") and event["choices"][0].get("text"):
+                                    record["tokens"].append(time.time())
+                except (httpx.HTTPError, RuntimeError) as exc:
+                    with self.lock:
+                        self.failures.append(f"{type(exc).__name__}: {exc}")
+                    continue
+                with self.lock:
+                    self.requests.append(record)
+
+
+
+def first_token_from_new_engine(url: str, admin: httpx.Client, old: int | None) -> float:
+    """Once the active engine is not ``old``, a 1-token streamed completion: its first token's wall time."""
+    wait(lambda: admin.get("/admin/status").json()["active"] not in (None, old), 600, "no new active engine",
+         interval=0.005)  # fmt: skip
+    body = {"prompt": [1000, 1001, 1002, 1003], "max_tokens": 1, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {") and json.loads(line[6:]).get("choices"):
+                return time.time()
+    raise SystemExit("the probe got no token")
+
+
+def wait(condition, seconds: float, what: str, interval: float = 0.05) -> Any:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(interval)
+    raise SystemExit(f"timed out: {what}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--model", type=Path)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--vocab", type=int, default=49152)
+    parser.add_argument("--restarts", type=int, default=10)
+    parser.add_argument("--kills", type=int, default=3)
+    parser.add_argument("--forks", type=int, default=3)
+    parser.add_argument("--kv-cache-bytes", type=int, default=8 * 10**9)
+    args = parser.parse_args()
+    if args.model is None:
+        from cache.checkpoint.demo import build_demo
+
+        args.model = build_demo("fp8-block", progress=False)
+    root = Path(tempfile.mkdtemp(prefix="warmgate-restarts-"))
+    config = root / "warmgate.toml"
+    kv = f"kv_cache_bytes = {args.kv_cache_bytes}\n" if args.device != "cpu" else "max_model_len = 512\n"
+    config.write_text(f'model = "{args.model}"\n\n[engine]\ndevice = "{args.device}"\nmax_num_seqs = 64\n{kv}\n'
+                      '[restart]\nstandby = 1\nhealth_interval = 1.0\nhealth_timeout = 20.0\n')  # fmt: skip
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = root / "serve.log"
+    t0 = time.perf_counter()
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--config", str(config), "--port",
+                                 str(port), "--run-dir", str(root / "run")], cwd=ROOT, stdout=out,
+                                stderr=subprocess.STDOUT)  # fmt: skip
+    result: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "date": time.strftime("%F %T")}
+    load = Load(url, args.clients, args.vocab, args.output_len)
+    try:
+        wait(lambda: proc.poll() is None and _ready(url), 900, "the gateway did not become ready")
+        result["cold_start_s"] = time.perf_counter() - t0
+        token = (root / "run" / "admin-token").read_text().strip()
+        admin = httpx.Client(base_url=url, headers={"authorization": f"Bearer {token}"}, timeout=600)
+
+        def status() -> dict[str, Any]:
+            return admin.get("/admin/status").json()  # type: ignore[no-any-return]
+
+        result["cold_start_report"] = status()["restarts"][0]
+        wait(lambda: status()["standbys"], 600, "no standby")
+        result["standby_memory"] = _memory(status(), args.device)
+        load.start()
+        wait(lambda: len(load.requests) >= args.clients, 600, "the load did not start")
+        rounds: dict[str, list[dict[str, Any]]] = {"standby": [], "kill": [], "fork": [], "spawn": [], "reload": []}
+
+        def restart(kind: str, body: dict[str, Any]) -> None:
+            old, failed = status()["active"], len(load.failures)
+            done: dict[str, Any] = {}
+            poster = threading.Thread(target=lambda: done.update(admin.post("/admin/restart", json=body).json()))
+            t = time.time()
+            poster.start()
+            first = first_token_from_new_engine(url, admin, old)
+            poster.join()
+            rounds[kind].append({"to_first_token_s": first - t, "report": done,
+                                 "failed_during": len(load.failures) - failed})  # fmt: skip
+            print(kind, round(first - t, 3), done.get("path"), done.get("phases"), flush=True)
+
+        for _ in range(args.restarts):
+            wait(lambda: status()["standbys"], 600, "no standby")
+            restart("standby", {})
+        for _ in range(args.kills):
+            wait(lambda: status()["standbys"], 600, "no standby")
+            before = len([r for r in status()["restarts"] if r["reason"] == "crash"])
+            now = status()
+            old, failed = now["active"], len(load.failures)
+            pid = next(e["pid"] for e in now["engines"] if e["id"] == old)
+            t = time.time()
+            os.kill(pid, signal.SIGKILL)
+            first = first_token_from_new_engine(url, admin, old)
+            crash = wait(lambda: [r for r in status()["restarts"] if r["reason"] == "crash"][before:], 120, "recovery")
+            rounds["kill"].append({"to_first_token_s": first - t, "report": crash[0],
+                                   "failed_during": len(load.failures) - failed})  # fmt: skip
+            print("kill", round(first - t, 3), crash[0]["path"], flush=True)
+        for i in range(args.forks):  # another config each time: no standby matches, the fork server starts one
+            restart("fork", {"engine": {"default_max_tokens": 200 + i}})
+        forks = _pid_of(f"fork-server --socket {root / 'run'}")
+        if forks:
+            os.kill(forks, signal.SIGKILL)
+            restart("spawn", {"engine": {"default_max_tokens": 300}})
+        config.write_text(config.read_text().replace("max_num_seqs = 64", "max_num_seqs = 48"))
+        failed = len(load.failures)
+        t = time.time()
+        reload = admin.post("/admin/reload").json()
+        time.sleep(2)
+        rounds["reload"].append({"seconds": time.time() - t, "report": reload,
+                                 "failed_during": len(load.failures) - failed})  # fmt: skip
+    finally:
+        load.finish()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    result["rounds"] = rounds
+    result["requests"], result["failures"] = len(load.requests), load.failures
+    summary = {k: _stats([r["to_first_token_s"] for r in v]) for k, v in rounds.items() if k != "reload"}
+    result["summary"] = summary
+    result["failures_by_kind"] = sorted(set(load.failures))[:20]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "restart_paths.json").write_text(json.dumps(result, indent=1))
+    lines = [f"restart paths, {args.device}, {args.clients} streaming clients, {result['requests']} requests, "
+             f"{len(load.failures)} failed; cold start {result['cold_start_s']:.1f} s", "",
+             "| path | n | to first token p50 | min | max |", "|---|---|---|---|---|"]  # fmt: skip
+    lines[-2:] = ["| path | n | to first token p50 | min | max | failed requests |", "|---|---|---|---|---|---|"]
+    for kind, s in summary.items():
+        if s["n"]:
+            failed = sum(r["failed_during"] for r in rounds[kind])
+            lines.append(f"| {kind} | {s['n']} | {s['p50_s']:.3f} s | {s['min_s']:.3f} s | {s['max_s']:.3f} s "
+                         f"| {failed} |")  # fmt: skip
+    reload_failed = sum(r["failed_during"] for r in rounds["reload"])
+    reload_path = rounds["reload"][0]["report"].get("path") if rounds["reload"] else "-"
+    lines.append(f"\nreload (max_num_seqs 64 -> 48): path {reload_path}, failed requests {reload_failed}")
+    lines.append(f"\nstandby memory: {result['standby_memory']}")
+    (args.out / "restart_paths.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/ready", timeout=30).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def _stats(values: list[float]) -> dict[str, Any]:
+    if not values:
+        return {"n": 0}
+    return {"n": len(values), "p50_s": statistics.median(values), "min_s": min(values), "max_s": max(values),
+            "values_s": values}  # fmt: skip
+
+
+def _pid_of(cmdline_part: str) -> int | None:
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if cmdline_part in cmdline:
+                return int(entry.name)
+    return None
+
+
+def _memory(status: dict[str, Any], device: str) -> dict[str, Any]:
+    """Each engine's memory: device memory per process on CUDA (nvidia-smi), private RSS on CPU."""
+    engines = {e["pid"]: e["state"] for e in status["engines"]}
+    if device.startswith("cuda"):
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True).stdout  # fmt: skip
+        used = {int(p): int(m) for p, m in (line.split(", ") for line in out.strip().splitlines() if line)}
+        return {f"{engines.get(pid, 'cache or other')} (pid {pid})": f"{mib} MiB" for pid, mib in used.items()}
+    result = {}
+    for pid, state in engines.items():
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                result[f"{state} (pid {pid})"] = line.split(":")[1].strip()
+    return result
+
+
+if __name__ == "__main__":
+    main()
