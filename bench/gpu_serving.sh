@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU runs for the serving engine, on the device machine (torch + Triton there; the rest travels as wheels in .whl/,
 # the demo tokenizer for the synthetic checkpoint in .gputok/: see docs/benchmarks.md).
-#   bash bench/gpu_serving.sh setup probe tests profile engine serve     # any subset, in this order
+#   bash bench/gpu_serving.sh setup probe tests profile engine restarts serve     # any subset, in this order
 # Results go to a folder under /tmp/gpuout, packed at the end into $OUT/results.tgz (markdown copied beside it).
 # The synthetic llama3-8b fp8-block checkpoint stays in /tmp/wg while the machine is warm.
 set -uo pipefail
@@ -26,6 +26,9 @@ for step in "$@"; do
             ;;
     engine) timeout ${ENGINE_TIMEOUT:-240} python3 bench/gpu_engine.py --out $RUN/engine --work /tmp/wg \
               --skip kernels synth graphs hf sweep profile variants host 2>&1 | tail -30 ;;
+    restarts) timeout ${RESTARTS_TIMEOUT:-420} python3 bench/restart_paths.py --model $MODEL --device cuda --clients 32 \
+              --out $RUN/restarts 2>&1 | tail -30
+            cp $RUN/restarts/restart_paths.md $OUT/ 2>/dev/null ;;
     serve)  timeout ${SERVE_TIMEOUT:-480} python3 bench/serve_load.py --model $MODEL --device cuda --max-num-seqs 128 \
               --kv-cache-bytes 20000000000 --out $RUN/serve ${SERVE_ARGS:-} 2>&1 | tail -40 ;;
   esac
