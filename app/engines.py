@@ -100,6 +100,8 @@ class Engine:
             "socket": str(self.socket),
             "uptime_s": round(time.monotonic() - self.started, 3),
             "weight_source": weights.get("source"),
+            "device_memory_bytes": self.health.get("device_memory_bytes"),
+            "private_memory_bytes": self.health.get("private_memory_bytes"),
             "settings": {k: v for k, v in self.config.items() if k not in ("model", "cache_socket")},
         }
 
@@ -327,6 +329,8 @@ class EngineManager:
         except (httpx.HTTPError, OSError):
             return False
         if response.status_code == 200:
+            with contextlib.suppress(ValueError):
+                engine.health = response.json()  # fresh figures (memory, load) for the status page
             return True
         with contextlib.suppress(ValueError):  # 503 while draining is alive; "dead" (no scheduler thread) is not
             return bool(response.json().get("status") == "draining")

@@ -175,6 +175,10 @@ class LLMEngine:
             self._step()
         return outputs
 
+    def device_memory_bytes(self) -> int:
+        """Device memory this engine's allocator holds (KV cache, activations, graph pools); 0 on CPU."""
+        return int(torch.cuda.memory_reserved(self.device)) if self.device.type == "cuda" else 0
+
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.preemptions

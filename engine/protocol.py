@@ -340,6 +340,8 @@ class HealthResponse(OpenAIModel):
     preemptions: int = 0  # sequences whose KV blocks were taken back for others (recomputed later)
     kv_blocks_free: int = 0
     kv_blocks_total: int = 0
+    device_memory_bytes: int = 0  # what this process holds on its GPU (CUDA context and graphs aside): 0 on CPU
+    private_memory_bytes: int = 0  # its private resident memory (RssAnon): the cache's weights are not in it
     weights: WeightsInfo
     startup_phases: dict[str, float]  # seconds: device_init, weight_load, model_init, kv_alloc, cuda_graphs, warmup
 

@@ -415,6 +415,17 @@ class EngineAPI:
         yield SSE_DONE
 
 
+def _private_memory() -> int:
+    """RssAnon of this process, in bytes (0 where /proc does not say)."""
+    try:
+        for line in open("/proc/self/status").read().splitlines():  # noqa: SIM115 (a small read)
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def create_app(engine: LLMEngine, tokenizer: ChatTokenizer) -> FastAPI:
     """The FastAPI app an engine worker serves on its Unix socket; app.state.api is what the worker drains."""
     api = EngineAPI(engine, tokenizer)
@@ -469,6 +480,8 @@ def create_app(engine: LLMEngine, tokenizer: ChatTokenizer) -> FastAPI:
             preemptions=engine.num_preemptions,
             kv_blocks_free=len(engine.scheduler.allocator.free),
             kv_blocks_total=engine.kv.spec.blocks - 1,
+            device_memory_bytes=engine.device_memory_bytes(),
+            private_memory_bytes=_private_memory(),
             weights=weights_info,
             startup_phases=engine.startup_phases,
         )

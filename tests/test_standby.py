@@ -67,8 +67,11 @@ def test_a_restart_promotes_the_standby_and_a_new_one_is_built(gateway: Gateway)
     assert gateway.status()["active"] == standby
     assert _complete(gateway) == before
     _standby(gateway, other_than=standby)  # the pool is refilled in the background
-    states = Counter(e["state"] for e in gateway.status()["engines"])
-    assert states == {"active": 1, "standby": 1}, states
+    engines = gateway.status()["engines"]
+    assert Counter(e["state"] for e in engines) == {"active": 1, "standby": 1}, engines
+    for engine in engines:  # the status page shows each engine's memory: its own, the weights are the cache's
+        assert 0 < engine["private_memory_bytes"] < 538_060_032, engine
+        assert engine["device_memory_bytes"] == 0  # CPU
 
 
 def _crash_reports(gateway: Gateway) -> list[dict[str, Any]]:
