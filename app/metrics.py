@@ -11,7 +11,7 @@ if TYPE_CHECKING:
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60)
-STATES = ("starting", "ready", "active", "draining", "stopped", "failed")
+STATES = ("starting", "ready", "active", "standby", "draining", "stopped", "failed")
 
 
 class GatewayMetrics:

@@ -69,6 +69,8 @@ def test_a_restart_promotes_the_standby_and_a_new_one_is_built(gateway: Gateway)
     _standby(gateway, other_than=standby)  # the pool is refilled in the background
     engines = gateway.status()["engines"]
     assert Counter(e["state"] for e in engines) == {"active": 1, "standby": 1}, engines
+    metrics = httpx.get(f"{gateway.url}/metrics", timeout=30).text
+    assert 'warmgate:engines{state="standby"} 1.0' in metrics and 'warmgate:engines{state="active"} 1.0' in metrics
     for engine in engines:  # the status page shows each engine's memory: its own, the weights are the cache's
         assert 0 < engine["private_memory_bytes"] < 538_060_032, engine
         assert engine["device_memory_bytes"] == 0  # CPU
