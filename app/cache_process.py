@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from app.terminate import terminate
 from cache.client import CacheClient, CacheRefused, CacheUnavailable
 from cache.events import log_event
 from cache.manifest import expected_key
@@ -35,15 +35,8 @@ class CacheHandle:
             return client.stats()
 
     async def stop(self) -> None:
-        if self.process is None or self.process.returncode is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            self.process.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(self.process.wait(), 30)
-        except TimeoutError:
-            self.process.kill()
-            await self.process.wait()
+        if self.process is not None:
+            await terminate(self.process, 30)
 
 
 def _expected(model: Path, device: str, dtype: str) -> str:

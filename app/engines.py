@@ -26,7 +26,6 @@ import contextlib
 import itertools
 import json
 import logging
-import signal
 import sys
 import time
 from collections import deque
@@ -38,6 +37,7 @@ from typing import Any, Protocol
 import httpx
 
 from app.fork_client import ForkServer, ForkServerUnavailable
+from app.terminate import terminate
 from cache.events import log_event
 
 log = logging.getLogger("warmgate.gateway.engines")
@@ -425,15 +425,7 @@ class EngineManager:
 
     async def _stop(self, engine: Engine, final: EngineState = EngineState.STOPPED) -> None:
         # Callers set DRAINING or FAILED first (close() sets _closing): the crash watcher ignores this exit.
-        if engine.process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                engine.process.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(engine.process.wait(), self.drain_timeout + 10)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    engine.process.kill()
-                await engine.process.wait()
+        await terminate(engine.process, self.drain_timeout + 10)
         if engine.client is not None:
             await engine.client.aclose()
         engine.socket.unlink(missing_ok=True)

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from app.terminate import terminate
 from cache.events import log_event
 
 log = logging.getLogger("warmgate.gateway.forks")
@@ -133,13 +134,8 @@ class ForkServer:
         return ForkedProcess(int(reply["pid"]), reader, writer)
 
     async def stop(self) -> None:
-        if self.process is not None and self.process.returncode is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(self.process.wait(), 10)
-            except TimeoutError:
-                self.process.kill()
-                await self.process.wait()
+        if self.process is not None:
+            await terminate(self.process, 10)
 
 
 async def _read_message(reader: asyncio.StreamReader) -> dict[str, Any] | None:

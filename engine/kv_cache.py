@@ -16,6 +16,7 @@ import math
 import mmap
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from cache.checkpoint.architecture import ModelShape
@@ -72,11 +73,6 @@ class KVCache:
         self.k[layer].index_copy_(0, slots, k)
         self.v[layer].index_copy_(0, slots, v)
 
-    def gather(self, layer: int, table: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of positions 0..length-1 of the sequence with this block table: [length, kv_heads, d]."""
-        slots = slots_of(table, 0, length, self.block_size, self.k.device)
-        return self.k[layer].index_select(0, slots), self.v[layer].index_select(0, slots)
-
 
 class BlockAllocator:
     """Free block ids; a sequence's table grows one block at a time and is freed whole."""
@@ -103,11 +99,10 @@ class BlockAllocator:
         table.clear()
 
 
-def slots_of(table: list[int], start: int, end: int, block_size: int, device: torch.device) -> torch.Tensor:
-    """Cache slots of positions start..end-1 of a sequence (int64, on ``device``)."""
-    positions = torch.arange(start, end)
-    blocks = torch.tensor(table, dtype=torch.long)[positions // block_size]
-    return (blocks * block_size + positions % block_size).to(device)
+def slots_of(table: list[int], start: int, end: int, block_size: int) -> np.ndarray:
+    """Cache slots of positions start..end-1 of the sequence with this block table (int64)."""
+    positions = np.arange(start, end)
+    return np.asarray(table, dtype=np.int64)[positions // block_size] * block_size + positions % block_size
 
 
 def _zeros(dims: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

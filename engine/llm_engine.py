@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from cache.arena import preload_transport
+from cache.events import log_event
 from cache.processing import compute_dtype, resolve_device
 from engine.config import EngineConfig
 from engine.kv_cache import BlockAllocator, KVCache, KVCacheSpec
@@ -320,13 +321,11 @@ class StepStats:
             window = now - self.since
             scheduler = self.engine.scheduler
             total = self.engine.kv.spec.blocks - 1
-            log.info(
-                "event=engine_stats prompt_tok_s=%.0f gen_tok_s=%.0f running=%d waiting=%d kv_usage=%.3f "
-                "steps=%d step_ms_mean=%.2f step_ms_max=%.2f busy=%.2f preemptions=%d",
-                self.prompt_tokens / window, self.generated / window, len(scheduler.running),
-                len(scheduler.waiting), 1 - len(scheduler.allocator.free) / total, self.steps,
-                1e3 * self.busy / self.steps, 1e3 * self.longest, self.busy / window, scheduler.preemptions,
-            )  # fmt: skip
+            log_event(log, "engine_stats", prompt_tok_s=round(self.prompt_tokens / window),
+                      gen_tok_s=round(self.generated / window), running=len(scheduler.running),
+                      waiting=len(scheduler.waiting), kv_usage=1 - len(scheduler.allocator.free) / total,
+                      steps=self.steps, step_ms_mean=1e3 * self.busy / self.steps, step_ms_max=1e3 * self.longest,
+                      busy=self.busy / window, preemptions=scheduler.preemptions)  # fmt: skip
             self._reset(now)
 
 

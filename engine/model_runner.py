@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from engine.attention import StepBatch
-from engine.kv_cache import KVCache
+from engine.kv_cache import KVCache, slots_of
 from engine.model import Transformer
 from engine.scheduler import Scheduled
 
@@ -58,8 +58,9 @@ class ModelRunner:
         self.host_np = self.host.numpy()
         self.host_tables = torch.zeros(s, self.width, dtype=torch.int32, pin_memory=pin)
         self.host_tables_np = self.host_tables.numpy()
-        self.meta = torch.zeros_like(self.host, device=self.device)
-        self.tables = torch.zeros_like(self.host_tables, device=self.device)
+        # On CPU the staged inputs are the model's inputs; on CUDA they are copied over once per step.
+        self.meta = self.host if not pin else torch.zeros_like(self.host, device=self.device)
+        self.tables = self.host_tables if not pin else torch.zeros_like(self.host_tables, device=self.device)
         self.argmax_host = torch.zeros(s, dtype=torch.long, pin_memory=pin)
         self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
@@ -84,9 +85,8 @@ class ModelRunner:
                 slot[t] = table[start // bs] * bs + start % bs
             else:
                 tok[t : t + n] = seq.token_slice(start, start + n)
-                p = np.arange(start, start + n)
-                pos[t : t + n] = p
-                slot[t : t + n] = np.asarray(table)[p // bs] * bs + p % bs
+                pos[t : t + n] = np.arange(start, start + n)
+                slot[t : t + n] = slots_of(table, start, start + n, bs)
             starts[i] = t
             lengths[i] = start + n
             logits[i] = t + n - 1
@@ -116,6 +116,8 @@ class ModelRunner:
         )
 
     def _upload(self, seqs: int) -> None:
+        if self.meta is self.host:
+            return
         self.meta.copy_(self.host, non_blocking=True)
         self.tables[:seqs].copy_(self.host_tables[:seqs], non_blocking=True)
 
@@ -168,9 +170,7 @@ class ModelRunner:
         batch.query_lens = [w.count for w in step]
         batch.context_slots = []
         for w in step:
-            p = np.arange(w.start + w.count)
-            slots = np.asarray(w.seq.blocks)[p // bs] * bs + p % bs
-            batch.context_slots.append(torch.from_numpy(slots))
+            batch.context_slots.append(torch.from_numpy(slots_of(w.seq.blocks, 0, w.start + w.count, bs)))
 
     # -- CUDA graphs ---------------------------------------------------------------------------
 

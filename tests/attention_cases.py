@@ -36,7 +36,8 @@ def make_batch(specs: list[tuple[int, int]], blocks: int, device: torch.device, 
         query_start=torch.tensor(starts, device=device), seq_lens=torch.tensor(lengths, device=device),
         block_tables=table.to(device), logits_indices=torch.empty(0),
         max_query_len=max_query_len or max(n for _, n in specs), block_size=PAGE,
-        context_slots=[slots_of(t, 0, length, PAGE, device) for t, (length, _) in zip(tables, specs, strict=True)]
+        context_slots=[torch.from_numpy(slots_of(t, 0, length, PAGE)).to(device)
+                       for t, (length, _) in zip(tables, specs, strict=True)]
         + [torch.empty(0, dtype=torch.long, device=device)] * pad_seqs,
         query_lens=[n for _, n in specs] + [0] * pad_seqs,
     )  # fmt: skip
