@@ -122,8 +122,12 @@ class _ForkServer:
                 return
             request = message[0]
             argv, log_path = request.get("argv"), request.get("log")
-            if request.get("op") != "spawn" or not isinstance(argv, list) or not _strings(argv) \
-                    or not isinstance(log_path, str):
+            if (
+                request.get("op") != "spawn"
+                or not isinstance(argv, list)
+                or not _strings(argv)
+                or not isinstance(log_path, str)
+            ):
                 expected = 'expected {"op": "spawn", "argv": [...], "log": path}'
                 send_message(conn, error_reply("invalid_request", expected))
                 conn.close()

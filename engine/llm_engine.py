@@ -28,7 +28,7 @@ from engine.config import EngineConfig
 from engine.kv_cache import BlockAllocator, KVCache, KVCacheSpec
 from engine.model import ModelArgs, Transformer
 from engine.model_runner import ModelRunner
-from engine.sampler import sample
+from engine.sampler import sample, skip_draws
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, Sequence
 from engine.weights import LoadedWeights, WeightSource, weight_source
@@ -149,15 +149,26 @@ class LLMEngine:
         self._thread = threading.Thread(target=self._loop, name="warmgate-engine", daemon=True)
         self._thread.start()
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+               output_ids: list[int] | None = None) -> RequestStream:  # fmt: skip
         """Queue a request; must be called on the asyncio loop that will iterate the stream.
 
-        Raises ValueError when the prompt is empty or prompt + max_tokens exceeds max_model_len.
+        ``output_ids``: tokens another engine already generated for this request (a resume). They are
+        prefilled with the prompt and count towards max_tokens; a seeded sampler skips the draws they
+        took, so it continues the sequence it would have drawn. Raises ValueError when the prompt is
+        empty, prompt + max_tokens exceeds max_model_len, or the output already reached max_tokens.
         """
         self._check(prompt_ids, params)
+        output = list(output_ids or [])
+        if len(output) >= params.max_tokens:
+            raise ValueError(f"the request already has {len(output)} of its {params.max_tokens} tokens")
         stream = RequestStream(request_id or uuid.uuid4().hex, len(prompt_ids), asyncio.get_running_loop(),
                                self._outbox)  # fmt: skip
         seq = self._sequence(stream.request_id, prompt_ids, params, stream.push)
+        if output:
+            seq.output = output
+            if seq.generator is not None and not params.greedy:
+                skip_draws(seq.generator, len(output), self.args.shape.vocab, self.device)
         seq.is_cancelled = lambda: stream.cancelled
         with self._wake:
             self._inbox.append(seq)

@@ -24,6 +24,11 @@ from engine.sampling_params import SamplingParams
 
 FinishReason = Literal["stop", "length"]
 
+# The gateway asks for the internal stream with this header: after each SSE data line the engine adds a
+# comment line (ignored by SSE clients, removed by the gateway) with what resuming the request needs.
+RESUMABLE_HEADER = "x-warmgate-resumable"
+SSE_INTERNAL = ": warmgate "
+
 
 def random_id(prefix: str) -> str:
     """An OpenAI-style object id: prefix-<hex>."""
@@ -100,6 +105,34 @@ class ChatMessage(OpenAIModel):
         return "\n".join(part.text or "" for part in self.content)
 
 
+class Resume(OpenAIModel):
+    """Internal, gateway -> engine: continue a request whose engine failed, from what the client has.
+
+    The engine skips tokenizing, prefills ``prompt_ids + output_ids`` and samples on from there; its
+    text continues after the ``chars`` characters the client already received (text decoded but held
+    back is sent again, as it never reached the client).
+    """
+
+    id: str
+    created: int
+    prompt_ids: Annotated[list[int], Field(min_length=1)]
+    output_ids: list[int]
+    chars: int = Field(ge=0)
+    started: bool = False  # the client has the stream's first event (a chat's role chunk)
+
+
+class InternalEvent(OpenAIModel):
+    """The comment line after an internal SSE event: token ids and text so far, for a resume."""
+
+    ids: list[int] = []  # tokens consumed since the previous event
+    chars: int = 0  # characters of text sent, this event included
+    finish: FinishReason | None = None
+    prompt_ids: list[int] | None = None  # on the stream's first event only, with the response's id and model
+    id: str | None = None
+    created: int | None = None
+    model: str | None = None
+
+
 class SamplingRequest(OpenAIModel):
     """Fields chat and text completions share."""
 
@@ -119,6 +152,7 @@ class SamplingRequest(OpenAIModel):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     ignore_eos: bool = False  # extension
     user: str | None = None
+    warmgate_resume: Resume | None = None  # internal: set by the gateway only (it drops a client's)
 
     @field_validator("n")
     @classmethod

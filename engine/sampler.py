@@ -64,3 +64,10 @@ def sample(
     for i, token in zip(rows, (probs / noise).argmax(dim=-1).tolist(), strict=True):
         chosen[i] = token
     return chosen
+
+
+def skip_draws(generator: torch.Generator, steps: int, vocab: int, device: torch.device) -> None:
+    """Advance a request's generator past the noise ``sample`` drew for ``steps`` tokens (one row each)."""
+    row = torch.empty(vocab, device=device)
+    for _ in range(steps):
+        row.exponential_(generator=generator)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from engine.protocol import (
+    RESUMABLE_HEADER,
+    SSE_INTERNAL,
     AssistantMessage,
     ChatCompletionChoice,
     ChatCompletionChunk,
@@ -40,8 +43,10 @@ from engine.protocol import (
     ErrorResponse,
     FinishReason,
     HealthResponse,
+    InternalEvent,
     ModelCard,
     ModelList,
+    Resume,
     SamplingRequest,
     Usage,
     WeightsInfo,
@@ -121,37 +126,51 @@ class Admission:
 
 @dataclass(frozen=True)
 class Delta:
-    """New text of a request, and the finish reason on its last delta."""
+    """New text of a request, the token ids consumed since the previous delta, the finish reason on the last."""
 
     text: str
     finish_reason: FinishReason | None = None
+    token_ids: tuple[int, ...] = ()
 
 
 class EngineFailure(Exception):
     """The engine ended a request with an error, or aborted it (the engine stopped)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, code: str | None = None) -> None:
         super().__init__(message)
-        self.api_error = ApiError(status, message, "server_error" if status == 500 else "service_unavailable")
+        kind = "server_error" if status == 500 else "service_unavailable"
+        self.api_error = ApiError(status, message, kind, None, code)
 
 
 class TextGeneration:
-    """One engine request as text: detokenized deltas, cut at the first stop string, with its tokens counted."""
+    """One engine request as text: detokenized deltas, cut at the first stop string, with its tokens counted.
 
-    def __init__(
-        self, request_id: str, stream: RequestStream, tokenizer: ChatTokenizer, stop: list[str], hidden_ids: set[int]
-    ) -> None:
+    A resumed request (``resume``) continues another engine's: its decoder is fed the tokens generated
+    there, one by one as there, and the text after what the client already received comes first.
+    """
+
+    def __init__(self, request_id: str, stream: RequestStream, tokenizer: ChatTokenizer, stop: list[str],
+                 hidden_ids: set[int], resume: Resume | None = None) -> None:  # fmt: skip
         self.request_id = request_id
         self.stream = stream
         self.created = int(time.time())
         self.started = time.monotonic()
         self.completion_tokens = 0
+        self.chars = 0  # characters of text yielded so far
         self.finished = False
+        self.internal = False  # the gateway's internal stream: token ids after every event
+        self.model = ""
         self._decoder = tokenizer.incremental_decoder()
         self._stop = stop
         self._hidden_ids = hidden_ids  # eos and stop tokens end the text; they are not part of it
         # A stop string is recognised only once complete, so a stream keeps back its longest possible prefix.
         self._holdback = max((len(s) for s in stop), default=1) - 1
+        self._pending = ""
+        if resume is not None:
+            self.request_id, self.created = resume.id, resume.created
+            text = "".join(self._decoder.add(token) for token in resume.output_ids)
+            self.completion_tokens, self.chars = len(resume.output_ids), resume.chars
+            self._pending = text[resume.chars :]
 
     def close(self) -> None:
         """Cancel the engine request if it is still running (client gone, response abandoned)."""
@@ -161,16 +180,17 @@ class TextGeneration:
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """Text as it is generated; the last Delta carries the finish reason ("stop" or "length")."""
-        pending = ""
+        pending, ids = self._pending, []
         async for event in self.stream:
             if event.finish_reason == "error":
                 self.finished = True
                 raise EngineFailure(500, f"engine error: {event.error or 'unknown'}")
             if event.finish_reason == "abort":
                 self.finished = True
-                raise EngineFailure(503, "the engine stopped before the request finished")
+                raise EngineFailure(503, "the engine stopped before the request finished", "engine_stopped")
             if event.token_id is not None:
                 self.completion_tokens += 1
+                ids.append(event.token_id)
                 if not (event.finish_reason == "stop" and event.token_id in self._hidden_ids):
                     pending += self._decoder.add(event.token_id)
             if event.finish_reason is not None:
@@ -178,16 +198,20 @@ class TextGeneration:
             cut = self._find_stop(pending)
             if cut is not None:
                 self.close()
-                yield Delta(pending[:cut], "stop")
+                yield self._delta(pending[:cut], "stop", ids)
                 return
             if event.finish_reason is not None:
                 self.finished = True
-                yield Delta(pending, "length" if event.finish_reason == "length" else "stop")
+                yield self._delta(pending, "length" if event.finish_reason == "length" else "stop", ids)
                 return
             ready = len(pending) - self._holdback
             if ready > 0:
-                yield Delta(pending[:ready])
-                pending = pending[ready:]
+                yield self._delta(pending[:ready], None, ids)
+                pending, ids = pending[ready:], []
+
+    def _delta(self, text: str, finish: FinishReason | None, ids: list[int]) -> Delta:
+        self.chars += len(text)
+        return Delta(text, finish, tuple(ids))
 
     def _find_stop(self, text: str) -> int | None:
         hits = [i for i in (text.find(s) for s in self._stop) if i >= 0]
@@ -254,6 +278,8 @@ class EngineAPI:
         self.tokenizer = tokenizer
         self.admission = Admission()
         self.model_name = engine.config.name
+        # Test-only fault: a request with this `user` makes the worker exit (a poison request).
+        self.crash_user = os.environ.get("WARMGATE_TEST_CRASH_USER") or None
 
     def check_model(self, model: str | None) -> None:
         """404 unless the request names this engine's model (or none)."""
@@ -283,21 +309,32 @@ class EngineAPI:
             )
         return requested
 
-    def admit(self, request: SamplingRequest, ids: list[int], prompt_param: str, id_prefix: str) -> TextGeneration:
-        """Check the request, admit it and submit its prompt; end it with release() (stream() does)."""
+    def admit(self, request: SamplingRequest, ids: list[int], prompt_param: str, id_prefix: str,
+              internal: bool = False) -> TextGeneration:  # fmt: skip
+        """Check the request, admit it and submit its prompt; end it with release() (stream() does).
+
+        ``internal``: the gateway asked for the internal stream (token ids with every event).
+        """
+        if self.crash_user is not None and request.user == self.crash_user:
+            log.error("event=test_fault user=%s: exiting as asked by WARMGATE_TEST_CRASH_USER", request.user)
+            os._exit(70)
+        resume = request.warmgate_resume
         max_tokens = self.max_tokens(len(ids), request.requested_max_tokens(), prompt_param)
         request_id = random_id(id_prefix)
         self.admission.enter()
         try:
             params = request.sampling_params(max_tokens)
-            stream = self.engine.submit(ids, params, request_id)
+            output = resume.output_ids if resume else None
+            stream = self.engine.submit(ids, params, request_id, output)
         except BaseException as exc:
             self.admission.leave()
             if isinstance(exc, ValueError):
                 raise ApiError(400, str(exc)) from exc
             raise
         hidden = {*self.engine.eos_token_ids, *self.tokenizer.eos_token_ids, *params.stop_token_ids}
-        return TextGeneration(request_id, stream, self.tokenizer, request.stop_strings(), hidden)
+        generation = TextGeneration(request_id, stream, self.tokenizer, request.stop_strings(), hidden, resume)
+        generation.internal, generation.model = internal, self.model_name
+        return generation
 
     def release(self, generation: TextGeneration) -> None:
         """End an admitted request: cancel it if unfinished, count it out, log it."""
@@ -338,6 +375,8 @@ class EngineAPI:
 
     def completion_prompt(self, request: CompletionRequest) -> list[int]:
         """Token ids of a text completion's prompt (text, a one-element list of text, or token ids)."""
+        if request.warmgate_resume is not None:
+            return self._resumed_prompt(request.warmgate_resume)
         prompt = request.prompt
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
@@ -353,14 +392,24 @@ class EngineAPI:
             raise ApiError(400, "the prompt is empty", param="prompt")
         return ids
 
+    def _resumed_prompt(self, resume: Resume) -> list[int]:
+        vocab = self.tokenizer.vocab_size
+        bad = [i for i in [*resume.prompt_ids, *resume.output_ids] if not 0 <= i < vocab]
+        if bad:
+            raise ApiError(400, f"resumed token ids out of range [0, {vocab}): {bad[:5]}", param="warmgate_resume")
+        return resume.prompt_ids
+
     def chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
         """Token ids of the chat, through the model's chat template."""
+        if request.warmgate_resume is not None:
+            return self._resumed_prompt(request.warmgate_resume)
         try:
             return self.tokenizer.apply_chat_template(request.template_messages())
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc), param="messages") from exc
 
-    async def chat_events(self, request: ChatCompletionRequest, generation: TextGeneration) -> AsyncIterator[str]:
+    async def chat_events(self, request: ChatCompletionRequest, generation: TextGeneration,
+                          ids: list[int]) -> AsyncIterator[str]:  # fmt: skip
         """SSE events of a chat completion: the role, content deltas, the finish reason, usage if asked."""
 
         def chunk(choices: list[ChatCompletionChunkChoice], usage: Usage | None = None) -> str:
@@ -374,12 +423,16 @@ class EngineAPI:
                 )
             )
 
-        yield chunk([ChatCompletionChunkChoice(delta=DeltaMessage(role="assistant", content=""))])
+        if generation.internal:
+            yield _opening(generation, ids)
+        if request.warmgate_resume is None or not request.warmgate_resume.started:
+            yield chunk([ChatCompletionChunkChoice(delta=DeltaMessage(role="assistant", content=""))])
         try:
             async for delta in generation.deltas():
                 if delta.text or delta.finish_reason:
                     content = DeltaMessage(content=delta.text or None)
-                    yield chunk([ChatCompletionChunkChoice(delta=content, finish_reason=delta.finish_reason)])
+                    choice = ChatCompletionChunkChoice(delta=content, finish_reason=delta.finish_reason)
+                    yield _with_ids(chunk([choice]), generation, delta)
         except EngineFailure as exc:
             yield _sse(ErrorResponse(error=exc.api_error.info))
             yield SSE_DONE
@@ -388,7 +441,8 @@ class EngineAPI:
             yield chunk([], self.usage(generation))
         yield SSE_DONE
 
-    async def completion_events(self, request: CompletionRequest, generation: TextGeneration) -> AsyncIterator[str]:
+    async def completion_events(self, request: CompletionRequest, generation: TextGeneration,
+                                ids: list[int]) -> AsyncIterator[str]:  # fmt: skip
         """SSE events of a text completion: text deltas, the finish reason, usage if asked."""
 
         def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
@@ -402,10 +456,13 @@ class EngineAPI:
                 )
             )
 
+        if generation.internal:
+            yield _opening(generation, ids)
         try:
             async for delta in generation.deltas():
                 if delta.text or delta.finish_reason:
-                    yield chunk([CompletionChoice(text=delta.text, finish_reason=delta.finish_reason)])
+                    choice = CompletionChoice(text=delta.text, finish_reason=delta.finish_reason)
+                    yield _with_ids(chunk([choice]), generation, delta)
         except EngineFailure as exc:
             yield _sse(ErrorResponse(error=exc.api_error.info))
             yield SSE_DONE
@@ -413,6 +470,21 @@ class EngineAPI:
         if request.include_usage():
             yield chunk([], self.usage(generation))
         yield SSE_DONE
+
+
+def _opening(generation: TextGeneration, prompt_ids: list[int]) -> str:
+    """The internal stream's first event, a comment only: the prompt's ids and the response's id."""
+    note = InternalEvent(prompt_ids=prompt_ids, id=generation.request_id, created=generation.created,
+                         model=generation.model)  # fmt: skip
+    return f"{SSE_INTERNAL}{note.model_dump_json(exclude_defaults=True)}\n\n"
+
+
+def _with_ids(event: str, generation: TextGeneration, delta: Delta) -> str:
+    """An SSE data event, followed on the internal stream by the comment line of its token ids."""
+    if not generation.internal:
+        return event
+    note = InternalEvent(ids=list(delta.token_ids), chars=generation.chars, finish=delta.finish_reason)
+    return f"{event[:-1]}{SSE_INTERNAL}{note.model_dump_json(exclude_defaults=True)}\n\n"
 
 
 def _private_memory() -> int:
@@ -504,9 +576,10 @@ def create_app(engine: LLMEngine, tokenizer: ChatTokenizer) -> FastAPI:
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(request: ChatCompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:
         api.check_model(request.model)
-        generation = api.admit(request, api.chat_prompt(request), "messages", "chatcmpl")
+        ids = api.chat_prompt(request)
+        generation = api.admit(request, ids, "messages", "chatcmpl", raw.headers.get(RESUMABLE_HEADER) == "1")
         if request.stream:
-            return api.stream(generation, api.chat_events(request, generation))
+            return api.stream(generation, api.chat_events(request, generation, ids))
         text, reason = await api.collect(generation, raw)
         choice = ChatCompletionChoice(message=AssistantMessage(content=text), finish_reason=reason)
         body = ChatCompletionResponse(
@@ -521,9 +594,10 @@ def create_app(engine: LLMEngine, tokenizer: ChatTokenizer) -> FastAPI:
     @app.post("/v1/completions", response_model=None)
     async def completions(request: CompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:
         api.check_model(request.model)
-        generation = api.admit(request, api.completion_prompt(request), "prompt", "cmpl")
+        ids = api.completion_prompt(request)
+        generation = api.admit(request, ids, "prompt", "cmpl", raw.headers.get(RESUMABLE_HEADER) == "1")
         if request.stream:
-            return api.stream(generation, api.completion_events(request, generation))
+            return api.stream(generation, api.completion_events(request, generation, ids))
         text, reason = await api.collect(generation, raw)
         choice = CompletionChoice(text=text, finish_reason=reason)
         body = CompletionResponse(

@@ -101,4 +101,3 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         BLOCK_N=block_n, PAGE=batch.block_size, D=d, D_P2=triton.next_power_of_2(d), num_warps=4, num_stages=2,
     )  # fmt: skip
     return out.view(t, heads * d)
-

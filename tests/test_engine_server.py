@@ -205,6 +205,78 @@ BAD_REQUESTS = [
 ]
 
 
+async def read_internal(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> list[tuple[str, dict]]:
+    """The internal stream the gateway reads: ("data", chunk) and ("ids", note) items in order, up to [DONE]."""
+    headers = {"x-warmgate-resumable": "1"}
+    async with client.stream("POST", path, json={**body, "stream": True}, headers=headers) as response:
+        assert response.status_code == 200, await response.aread()
+        raw = (await response.aread()).decode()
+    items: list[tuple[str, dict]] = []
+    events = raw.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""], raw[-200:]
+    for event in events[:-2]:
+        for line in event.split("\n"):
+            if line.startswith("data: "):
+                items.append(("data", json.loads(line.removeprefix("data: "))))
+            else:
+                assert line.startswith(": warmgate "), line
+                items.append(("ids", json.loads(line.removeprefix(": warmgate "))))
+    return items
+
+
+def streamed_text(items: list[tuple[str, dict]], chat: bool) -> str:
+    pieces = []
+    for kind, item in items:
+        for choice in item.get("choices", []) if kind == "data" else []:
+            pieces.append((choice["delta"].get("content") if chat else choice["text"]) or "")
+    return "".join(pieces)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.9, "seed": 7}])
+def test_a_request_resumed_after_any_event_continues_exactly(worker: Worker, path: str, sampling: dict) -> None:
+    chat = path.endswith("chat/completions")
+    prompt = {"messages": FRANCE} if chat else {"prompt": "A short story about a robot who"}
+    body = {**prompt, **sampling, "max_tokens": 24, "stop": ["zq!"], "stream_options": {"include_usage": True}}
+
+    async def run() -> None:
+        async with worker.client() as client:
+            whole = await read_internal(client, path, body)
+            opening = whole[0][1]
+            assert whole[0][0] == "ids" and opening["prompt_ids"]
+            assert opening["id"].startswith("chatcmpl" if chat else "cmpl")
+            notes = [(i, item) for i, (kind, item) in enumerate(whole) if kind == "ids" and i > 0]
+            all_ids = [t for _, note in notes for t in note["ids"]]
+            usage = whole[-1][1]["usage"]
+            assert usage["completion_tokens"] == len(all_ids) and usage["prompt_tokens"] == len(opening["prompt_ids"])
+            text = streamed_text(whole, chat)
+            # Cut after each token-carrying event: resume with what a client had received by then.
+            for cut, note in notes[:-1]:
+                before = whole[: cut + 1]
+                ids = [t for i, n in notes if i <= cut for t in n["ids"]]
+                resume = {"id": opening["id"], "created": opening["created"], "prompt_ids": opening["prompt_ids"],
+                          "output_ids": ids, "chars": note["chars"], "started": True}  # fmt: skip
+                after = await read_internal(client, path, {**body, "warmgate_resume": resume})
+                data = [item for kind, item in after if kind == "data"]
+                assert all(d["id"] == opening["id"] and d["created"] == opening["created"] for d in data)
+                if chat:
+                    assert all("role" not in c["delta"] for d in data for c in d["choices"])
+                assert streamed_text(before, chat) + streamed_text(after, chat) == text, (cut, ids)
+                assert data[-1]["usage"] == usage
+
+    asyncio.run(run())
+
+
+def test_a_resume_without_room_left_or_with_bad_ids_is_refused(worker: Worker) -> None:
+    resume = {"id": "cmpl-x", "created": 1, "prompt_ids": [1, 2, 3], "output_ids": [4, 5], "chars": 0}
+    with worker.sync_client() as client:
+        full = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "warmgate_resume": resume})
+        assert_openai_error(full, 400, "already has 2 of its 2 tokens")
+        bad = {**resume, "output_ids": [10**9]}
+        out_of_range = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4, "warmgate_resume": bad})
+        assert_openai_error(out_of_range, 400, "out of range")
+
+
 def test_bad_requests_get_openai_errors(worker: Worker) -> None:
     async def run() -> list[httpx.Response]:
         async with worker.client() as client:

@@ -102,7 +102,6 @@ def test_fused_silu_mul_and_strided_rope() -> None:
     torch.testing.assert_close(rope(q, angles.cos(), angles.sin()), apply_rope(q, angles.cos(), angles.sin()))
 
 
-
 @pytest.mark.parametrize("kind", [WeightKind.FP8_CHANNEL, WeightKind.FP8_TENSOR])
 def test_rowwise_fp8_kernel_matches_dequantized_reference_for_every_m(kind: WeightKind) -> None:
     from cache.processing import FP8_ROWWISE_SCALED_MM
