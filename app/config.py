@@ -57,7 +57,7 @@ class RestartSettings(_Section):
     max_queue: Annotated[int, Field(ge=1)] = 1024  # requests waiting for an engine before 503
     crash_backoff: Annotated[float, Field(gt=0)] = 0.5  # first wait before restarting a crashed engine; doubles
     crash_backoff_max: Annotated[float, Field(gt=0)] = 30.0
-    request_retries: Annotated[int, Field(ge=0)] = 3  # retries of a request that produced no output yet
+    request_resumes: Annotated[int, Field(ge=0)] = 3  # moves of one request to another engine after its failed
     fork_server: bool = True  # fork engines from a process that has imported torch (else spawn each one)
     standby: Annotated[int, Field(ge=0, le=8)] = 1  # fully started engines kept for the next restart or crash
     health_interval: Annotated[float, Field(gt=0)] = 1.0  # seconds between /health polls of each engine

@@ -1,9 +1,10 @@
 """The gateway's HTTP app: the OpenAI API proxied to the active engine, health, admin and metrics.
 
 Requests wait (bounded queue, timeout) while no engine is active, so a ``replace`` restart
-costs clients latency, not errors. A request whose engine vanished before it produced any
-output is retried on the next active engine; a stream cut after its first chunk ends with an
-error event in the OpenAI shape and ``[DONE]``, never a hang.
+costs clients latency, not errors. A request whose engine fails (exits, hangs and is killed, or
+stops with the request unfinished) is resumed on the next active engine from what its client
+already has (app/resume.py), at most ``restart.request_resumes`` times; after that a stream ends
+with an error event in the OpenAI shape and ``[DONE]``, never a hang.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +26,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from app.engines import Engine, EngineManager
 from app.metrics import GatewayMetrics
-from engine.protocol import ErrorInfo, ErrorResponse
+from app.resume import DONE, EngineFailed, InFlight, split_events
+from cache.events import log_event
+from engine.protocol import RESUMABLE_HEADER, ErrorInfo, ErrorResponse
 
 log = logging.getLogger("warmgate.gateway")
 
@@ -45,15 +48,11 @@ class GatewayState:
     admin_token: str
     queue_timeout: float
     max_queue: int
-    retries: int
+    resumes: int  # restart.request_resumes: how many times one request may move to another engine
     restart: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]  # admin restart (body -> report)
     reload: Callable[[], Awaitable[dict[str, Any]]]  # admin reload -> report (raises ValueError on a bad file)
     status: Callable[[], dict[str, Any]]
     waiting: int = 0
-
-
-class _Retry(Exception):
-    """The engine went away before this request produced output: try the next one."""
 
 
 def create_gateway(state: GatewayState) -> FastAPI:
@@ -79,59 +78,97 @@ def create_gateway(state: GatewayState) -> FastAPI:
             state.waiting -= 1
             metrics.queued.set(state.waiting)
 
-    async def forward(path: str, body: bytes) -> tuple[httpx.Response, AsyncIterator[bytes] | None, bytes]:
-        """Send to the active engine; returns the response and, for a stream, its first chunk."""
-        engine = await acquire()
-        client = engine.http()
-        try:
-            upstream = await client.send(
-                client.build_request("POST", path, content=body, headers={"content-type": "application/json"}),
-                stream=True,
-            )
-        except httpx.TransportError:
-            await state.manager.engine_failed(engine)
-            raise _Retry from None
-        if upstream.status_code == 503:  # it began draining after we picked it: the next engine takes it
-            await upstream.aclose()
-            await asyncio.sleep(0.05)
-            raise _Retry
-        try:
-            if upstream.headers.get("content-type", "").startswith("text/event-stream"):
-                chunks = upstream.aiter_raw()  # one iterator: a response's stream can be started only once
-                first = await anext(chunks, b"")
-                if not first:
-                    raise httpx.RemoteProtocolError("empty stream")
-                return upstream, chunks, first
-            await upstream.aread()
-            return upstream, None, b""
-        except httpx.TransportError:  # died before any output reached the client
-            await upstream.aclose()
-            await state.manager.engine_failed(engine)
-            raise _Retry from None
-        except asyncio.CancelledError:  # our client hung up: closing the connection cancels it in the engine
-            await upstream.aclose()
-            raise
+    async def attempt(engine: Engine, request: InFlight, started: float) -> AsyncIterator[bytes]:
+        """The request on one engine: what its client gets, up to [DONE]; EngineFailed if the engine fails.
 
-    async def forward_while_connected(request: Request, path: str, body: bytes) -> tuple[Any, ...]:
-        """forward(), abandoned as soon as the client disconnects, so the engine stops generating for nobody."""
-        task = asyncio.create_task(forward(path, body))
+        An engine's answer that is not a stream (a 400 for a bad request, say) is raised as _Answered.
+        """
+        client = engine.http()
+        headers = {"content-type": "application/json", RESUMABLE_HEADER: "1"}
+        try:
+            upstream = await client.send(client.build_request("POST", request.route, content=request.body(),
+                                                              headers=headers), stream=True)  # fmt: skip
+        except httpx.TransportError as exc:
+            raise EngineFailed(f"connect: {exc}") from None
+        metrics.in_flight.inc()
+        try:
+            if upstream.status_code == 503:  # it began draining after we picked it: the next engine takes it
+                raise EngineFailed("draining", draining=True)
+            if not upstream.headers.get("content-type", "").startswith("text/event-stream"):
+                raise _Answered(Response(await upstream.aread(), status_code=upstream.status_code,
+                                         media_type=upstream.headers.get("content-type")))  # fmt: skip
+            rest = b""
+            async for raw in upstream.aiter_raw():
+                events, rest = split_events(rest + raw)
+                for event in events:
+                    first_token = not request.output_ids
+                    out = request.take(event)
+                    if first_token and request.output_ids:  # output begins with the first token
+                        metrics.ttft.labels(request.route).observe(time.perf_counter() - started)
+                    if out is not None:
+                        yield out
+                    if request.done:
+                        return
+            raise EngineFailed("the stream ended before [DONE]")
+        except httpx.TransportError as exc:
+            raise EngineFailed(f"stream: {type(exc).__name__}") from None
+        finally:
+            metrics.in_flight.dec()
+            await upstream.aclose()
+
+    async def run(request: InFlight, started: float) -> AsyncGenerator[bytes]:
+        """What the client gets, across as many engines as it takes (at most ``state.resumes`` moves)."""
+        while True:
+            engine = await acquire()
+            try:
+                async for out in attempt(engine, request, started):
+                    yield out
+                return
+            except EngineFailed as failure:
+                if failure.draining:
+                    await asyncio.sleep(0.05)
+                else:
+                    await state.manager.engine_failed(engine)
+                if request.finish is not None:  # the last token was relayed: only the ending was lost
+                    for out in request.ending():
+                        yield out
+                    return
+                if request.resumes >= state.resumes:
+                    metrics.resume_failures.inc()
+                    raise _Exhausted(request.resumes, str(failure)) from None
+                request.resumes += 1
+                metrics.resumes.inc()
+                log_event(log, "resume", route=request.route, id=request.id, resumes=request.resumes,
+                          tokens=len(request.output_ids), why=failure)  # fmt: skip
+
+    async def while_connected(raw: Request, work: Awaitable[Any]) -> Any:
+        """``work``'s result, abandoned (cancelled) as soon as the client disconnects."""
+        task = asyncio.ensure_future(work)
         while True:
             done, _ = await asyncio.wait({task}, timeout=0.25)
             if done:
                 return task.result()
-            if await request.is_disconnected():
+            if await raw.is_disconnected():
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, _Retry, _Unavailable, httpx.HTTPError):
+                with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
                 raise _ClientGone
 
-    async def proxy(request: Request, path: str) -> Response:
-        route = path
+    async def collect(request: InFlight, events: AsyncIterator[bytes]) -> Response:
+        """A non-streaming client's response, assembled from the internal stream's events."""
+        async for event in events:
+            error = request.add(event)
+            if error is not None:
+                kind = error["error"].get("type")
+                return JSONResponse(error, status_code=500 if kind == "server_error" else 503)
+        return JSONResponse(request.response())
+
+    async def proxy(raw: Request, route: str) -> Response:
         started = time.perf_counter()
-        if state.api_keys and not authorized(request, state.api_keys):
+        if state.api_keys and not authorized(raw, state.api_keys):
             metrics.requests.labels(route, "401").inc()
             return openai_error(401, "invalid or missing API key (Authorization: Bearer ...)", "authentication_error")
-        body = await request.body()
+        body = await raw.body()
         try:
             payload = json.loads(body)
             if not isinstance(payload, dict):
@@ -139,37 +176,51 @@ def create_gateway(state: GatewayState) -> FastAPI:
         except ValueError as exc:
             metrics.requests.labels(route, "400").inc()
             return openai_error(400, f"invalid JSON body: {exc}")
-        attempt = 0
-        metrics.in_flight.inc()
+        request = InFlight(route, payload)
+        events = run(request, started)
+        status = "200"
         try:
-            while True:
-                try:
-                    upstream, chunks, first = await forward_while_connected(request, path, body)
-                    break
-                except _ClientGone:
-                    metrics.requests.labels(route, "499").inc()
-                    return Response(status_code=499)  # nobody reads it
-                except _Retry:
-                    attempt += 1
-                    if attempt > state.retries:
-                        metrics.requests.labels(route, "503").inc()
-                        return openai_error(503, "the engine stopped before answering; retries exhausted",
-                                            "service_unavailable")  # fmt: skip
-                    metrics.retries.inc()
-                except _Unavailable as exc:
-                    metrics.requests.labels(route, "503").inc()
-                    return openai_error(503, str(exc), "service_unavailable")
+            if not request.streams:
+                response = await while_connected(raw, collect(request, events))
+                status = str(response.status_code)
+                return response
+            first = await while_connected(raw, anext(events))  # before any byte: errors keep their HTTP status
+        except _ClientGone:
+            status = "499"
+            return Response(status_code=499)  # nobody reads it
+        except _Answered as answered:
+            status = str(answered.response.status_code)
+            return answered.response
+        except (_Unavailable, _Exhausted) as exc:
+            status = "503"
+            return openai_error(503, str(exc), "service_unavailable")
         finally:
-            metrics.in_flight.dec()
-        metrics.requests.labels(route, str(upstream.status_code)).inc()
-        if chunks is None:
-            metrics.latency.labels(route).observe(time.perf_counter() - started)
-            _count_usage(metrics, upstream.content)
-            return Response(upstream.content, status_code=upstream.status_code,
-                            media_type=upstream.headers.get("content-type"))  # fmt: skip
-        metrics.ttft.labels(route).observe(time.perf_counter() - started)
-        return StreamingResponse(_relay(upstream, chunks, first, metrics, route, started),
-                                 status_code=upstream.status_code, media_type="text/event-stream")  # fmt: skip
+            metrics.requests.labels(route, status).inc()
+            if not request.streams or status != "200":
+                await events.aclose()
+                finished(request, route, started)
+        return StreamingResponse(relay(request, first, events, route, started), media_type="text/event-stream")
+
+    async def relay(request: InFlight, first: bytes, events: AsyncGenerator[bytes], route: str,
+                    started: float) -> AsyncIterator[bytes]:  # fmt: skip
+        try:
+            yield first
+            async for event in events:
+                yield event
+        except (_Exhausted, _Unavailable) as exc:
+            log_event(log, "stream_failed", route=route, id=request.id, resumes=request.resumes, error=exc)
+            error = ErrorResponse(error=ErrorInfo(message=str(exc), type="server_error", code="engine_failed"))
+            yield f"data: {error.model_dump_json()}\n\n".encode() + DONE
+        finally:
+            await events.aclose()
+            finished(request, route, started)
+
+    def finished(request: InFlight, route: str, started: float) -> None:
+        """Count a request that ended: its latency and tokens (the prompt's and every one generated)."""
+        metrics.latency.labels(route).observe(time.perf_counter() - started)
+        if request.prompt_ids is not None:
+            metrics.prompt_tokens.inc(len(request.prompt_ids))
+        metrics.generation_tokens.inc(len(request.output_ids))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -257,26 +308,17 @@ class _ClientGone(Exception):
     """The client disconnected before the engine answered."""
 
 
-async def _relay(upstream: httpx.Response, chunks: AsyncIterator[bytes], first: bytes, metrics: GatewayMetrics,
-                 route: str, started: float) -> AsyncIterator[bytes]:  # fmt: skip
-    try:
-        yield first
-        async for chunk in chunks:
-            yield chunk
-    except httpx.TransportError:
-        log.warning("event=stream_cut route=%s", route)
-        error = {"error": {"message": "the engine stopped in the middle of this stream", "type": "server_error",
-                           "param": None, "code": "engine_stopped"}}  # fmt: skip
-        yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
-    finally:
-        await upstream.aclose()
-        metrics.latency.labels(route).observe(time.perf_counter() - started)
+class _Answered(Exception):
+    """The engine answered with a response that is not a stream (an error for a bad request)."""
+
+    def __init__(self, response: Response) -> None:
+        super().__init__(response.status_code)
+        self.response = response
 
 
-def _count_usage(metrics: GatewayMetrics, content: bytes) -> None:
-    try:
-        usage = json.loads(content).get("usage") or {}
-    except (ValueError, AttributeError):
-        return
-    metrics.prompt_tokens.inc(usage.get("prompt_tokens", 0))
-    metrics.generation_tokens.inc(usage.get("completion_tokens", 0))
+class _Exhausted(Exception):
+    """The request's engine failed again after ``restart.request_resumes`` resumptions."""
+
+    def __init__(self, resumes: int, why: str) -> None:
+        super().__init__(f"the engine serving this request failed ({why}) after it had been resumed {resumes} "
+                         f"times, the limit (restart.request_resumes)")  # fmt: skip

@@ -22,13 +22,17 @@ class GatewayMetrics:
                                 registry=r)  # fmt: skip
         self.latency = Histogram("warmgate:e2e_request_latency_seconds", "Request latency through the gateway",
                                  ["route"], buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
-        self.ttft = Histogram("warmgate:time_to_first_token_seconds", "Time to the first streamed chunk",
+        self.ttft = Histogram("warmgate:time_to_first_token_seconds", "Time to the first generated token",
                               ["route"], buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
         self.prompt_tokens = Counter("warmgate:prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("warmgate:generation_tokens", "Tokens generated", registry=r)
         self.in_flight = Gauge("warmgate:num_requests_running", "Requests being served by an engine", registry=r)
         self.queued = Gauge("warmgate:num_requests_waiting", "Requests waiting for an engine", registry=r)
-        self.retries = Counter("warmgate:request_retries", "Requests retried on another engine", registry=r)
+        self.resumes = Counter("warmgate:request_resumes", "Requests resumed on another engine after theirs failed",
+                               registry=r)  # fmt: skip
+        self.resume_failures = Counter("warmgate:request_resume_failures",
+                                       "Requests ended with an error: their engine failed after the last resume",
+                                       registry=r)  # fmt: skip
         self.engines = Gauge("warmgate:engines", "Engine workers by state", ["state"], registry=r)
         self.restarts = Counter("warmgate:engine_restarts", "Engine restarts by reason and outcome",
                                 ["reason", "ok"], registry=r)  # fmt: skip

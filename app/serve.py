@@ -160,7 +160,7 @@ async def _serve(settings: Settings, config_path: Path | None, overrides: dict[s
         if not report.ok:
             raise RuntimeError(f"the first engine did not start: {report.error}")
         state = GatewayState(manager, metrics, settings.gateway.api_keys, token, r.queue_timeout, r.max_queue,
-                             r.request_retries, supervisor.restart, supervisor.reload, supervisor.status)  # fmt: skip
+                             r.request_resumes, supervisor.restart, supervisor.reload, supervisor.status)  # fmt: skip
         app = create_gateway(state)
         config = uvicorn.Config(app, host=settings.gateway.host, port=settings.gateway.port, log_config=None,
                                 log_level="warning", access_log=False, lifespan="off")  # fmt: skip

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -176,8 +177,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_gateway(root: Path, config_text: str) -> Gateway:
-    """Write the config, start `warmgate serve` and wait until /ready answers 200."""
+def start_gateway(root: Path, config_text: str, env: dict[str, str] | None = None) -> Gateway:
+    """Write the config, start `warmgate serve` (``env`` added to its environment), wait until /ready answers."""
     config = root / "warmgate.toml"
     config.write_text(config_text)
     port = free_port()
@@ -185,7 +186,7 @@ def start_gateway(root: Path, config_text: str) -> Gateway:
     cmd = [sys.executable, "-m", "app.cli", "serve", "--config", str(config), "--port", str(port),
            "--run-dir", str(root / "run")]  # fmt: skip
     with log_path.open("wb") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     gw = Gateway(proc, f"http://127.0.0.1:{port}", root / "run", config, log_path)
     deadline = time.monotonic() + GATEWAY_START_DEADLINE
     while time.monotonic() < deadline:

@@ -1,0 +1,185 @@
+"""Requests survive the death of their engine: resumed on the replacement, byte for byte (CPU, bf16 demo).
+
+`warmgate serve` with a standby; OpenAI clients stream greedy chats and completions (and some wait for
+whole answers) while the active engine is killed with SIGKILL, again and again. Every answer must equal
+the same request's answer in an undisturbed run. A poison request (the engine's test-only fault hook
+exits the worker when it sees it) fails after the configured resumes while the others are served.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from processes import Gateway, start_gateway
+
+RESUMES = 3  # restart.request_resumes, left at its default
+POISON = "poison-user"
+
+CHATS = ["What is the capital of France?", "Name three colours.", "Why is the sky blue?",
+         "Write a haiku about rain.", "What is 12 times 12?", "Describe a cat in one sentence.",
+         "Give me a tip for learning Python.", "What do bees make?"]  # fmt: skip
+TEXTS = ["The history of the printing press", "Once upon a time, in a small village,", "def fibonacci(n):",
+         "The three laws of motion are", "My favourite recipe for bread is", "In 1969, the first humans",
+         "A list of prime numbers: 2, 3, 5,", "The ocean covers most of"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def gateway(demo_path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    root = tmp_path_factory.mktemp("resume")
+    config = (f'model = "{demo_path("bf16")}"\nserved_model_name = "demo"\n\n'
+              "[engine]\nmax_num_seqs = 20\nmax_model_len = 512\n\n"
+              '[restart]\nstrategy = "overlap"\nstandby = 1\nhealth_interval = 0.5\nhealth_timeout = 10\n'
+              "drain_timeout = 30\nqueue_timeout = 120\n")  # fmt: skip
+    gw = start_gateway(root, config, env={"WARMGATE_TEST_CRASH_USER": POISON})
+    yield gw
+    gw.stop()
+
+
+def _client(gateway: Gateway) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", timeout=300, max_retries=0)
+
+
+def _requests() -> list[tuple[str, dict[str, Any]]]:
+    common = {"model": "demo", "temperature": 0, "max_tokens": 40}
+    chats = [("chat", {**common, "messages": [{"role": "user", "content": c}]}) for c in CHATS]
+    texts = [("text", {**common, "prompt": t, "extra_body": {"ignore_eos": True}}) for t in TEXTS]
+    return chats + texts
+
+
+def _stream(client: openai.OpenAI, kind: str, body: dict[str, Any], progress: list[int]) -> tuple[Any, ...]:
+    """(text, finish_reason, usage) of a streamed request, checking that it is one well-formed stream."""
+    options = {"stream": True, "stream_options": {"include_usage": True}}
+    if kind == "chat":
+        chunks = client.chat.completions.create(**body, **options)
+    else:
+        chunks = client.completions.create(**body, **options)
+    pieces, finishes, ids, usage = [], [], set(), None
+    for chunk in chunks:
+        ids.add(chunk.id)
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            piece = choice.delta.content if kind == "chat" else choice.text
+            pieces.append(piece or "")
+            progress[0] += 1
+            if choice.finish_reason:
+                finishes.append(choice.finish_reason)
+    assert len(ids) == 1 and len(finishes) == 1, (ids, finishes)
+    return "".join(pieces), finishes[0], usage.model_dump() if usage else None
+
+
+def _whole(client: openai.OpenAI, kind: str, body: dict[str, Any]) -> tuple[Any, ...]:
+    if kind == "chat":
+        response = client.chat.completions.create(**body)
+        text = response.choices[0].message.content
+    else:
+        response = client.completions.create(**body)
+        text = response.choices[0].text
+    return text, response.choices[0].finish_reason, response.usage.model_dump()
+
+
+def _crashes(gateway: Gateway) -> int:
+    return sum(r["reason"] == "crash" and r["ok"] for r in gateway.status()["restarts"])
+
+
+def _metric(gateway: Gateway, name: str) -> float:
+    for line in httpx.get(f"{gateway.url}/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "_total "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def _wait_for(condition: Any, seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} within {seconds} s")
+        time.sleep(0.05)
+
+
+def test_streams_and_whole_answers_survive_five_kills_byte_for_byte(gateway: Gateway) -> None:
+    client = _client(gateway)
+    requests = _requests()
+    progress = [0]
+    expected_stream = [_stream(client, kind, body, progress) for kind, body in requests]
+    expected_whole = [_whole(client, kind, body) for kind, body in requests[::4]]
+    for (text, finish, usage), whole in zip(expected_stream[::4], expected_whole, strict=True):
+        assert whole == (text, finish, usage)  # a whole answer is the stream's, assembled
+
+    failures: list[str] = []
+    served = [0]
+    stop = threading.Event()
+
+    def loop(i: int, streaming: bool) -> None:
+        kind, body = requests[i]
+        while not stop.is_set():
+            try:
+                got = _stream(client, kind, body, progress) if streaming else _whole(client, kind, body)
+            except Exception as exc:
+                failures.append(f"request {i}: {type(exc).__name__}: {exc}")
+                continue
+            want = expected_stream[i]
+            if got != want:
+                failures.append(f"request {i} ({'stream' if streaming else 'whole'}): {got!r} != {want!r}")
+            served[0] += 1
+
+    threads = [threading.Thread(target=loop, args=(i, True)) for i in range(16)]
+    threads += [threading.Thread(target=loop, args=(i * 4, False)) for i in range(4)]
+    resumes_before, crashes_before = _metric(gateway, "warmgate:request_resumes"), _crashes(gateway)
+    for t in threads:
+        t.start()
+    try:
+        for kill in range(5):
+            seen = progress[0]
+            # About 15 tokens per client between kills: a request lives through two or three of them.
+            _wait_for(lambda: progress[0] > seen + 300, 120, "no tokens streamed")  # noqa: B023
+            pid = gateway.active_pid()
+            assert pid is not None
+            os.kill(pid, signal.SIGKILL)
+            _wait_for(lambda: _crashes(gateway) > crashes_before + kill, 120, f"kill {kill + 1} was not recovered")  # noqa: B023
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=300)
+    assert not failures, (len(failures), [f for f in failures if "!=" in f][:3] or failures[:3])
+    assert served[0] >= 20
+    resumed = _metric(gateway, "warmgate:request_resumes") - resumes_before
+    assert resumed >= 5, f"only {resumed} requests were resumed over 5 kills"
+    assert _metric(gateway, "warmgate:request_resume_failures") == 0
+
+
+def test_a_poison_request_fails_after_its_resumes_and_the_others_are_served(gateway: Gateway) -> None:
+    client = _client(gateway)
+    crashes = _crashes(gateway)
+    outcome: list[Any] = []
+
+    def poison() -> None:
+        body = {"model": "demo", "prompt": "Hello", "max_tokens": 8, "user": POISON}
+        outcome.append(httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=300))
+
+    thread = threading.Thread(target=poison)
+    thread.start()
+    _wait_for(lambda: _crashes(gateway) > crashes, 120, "the poison request did not kill its engine")
+    # Requests sent from now on live through at most the poison's remaining RESUMES kills: all are served.
+    kind, body = _requests()[0]
+    answers = []
+    others = [threading.Thread(target=lambda: answers.append(_whole(client, kind, body))) for _ in range(3)]
+    for t in others:
+        t.start()
+    thread.join(timeout=300)
+    for t in others:
+        t.join(timeout=300)
+    response = outcome[0]
+    assert response.status_code == 503, response.text
+    error = response.json()["error"]
+    assert "restart.request_resumes" in error["message"] and f"resumed {RESUMES} times" in error["message"], error
+    assert _crashes(gateway) == crashes + RESUMES + 1  # it killed one engine per try, then the gateway gave up
+    assert len(answers) == 3 and all(a[1] in ("stop", "length") and a[0] for a in answers), answers
+    assert _whole(client, kind, body)[0] == answers[0][0]  # and the gateway serves on
