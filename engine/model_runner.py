@@ -67,6 +67,7 @@ class ModelRunner:
         self.decode_sizes = decode_buckets(s)
         self.mixed_sizes = mixed_buckets(self.max_tokens)
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.capture_parts: dict[str, float] = {}  # seconds spent warming up, capturing and replaying graphs
 
     # -- inputs ----------------------------------------------------------------------------
 
@@ -174,16 +175,24 @@ class ModelRunner:
 
     # -- CUDA graphs ---------------------------------------------------------------------------
 
-    def capture_all(self) -> float:
-        """Capture every graph now (largest first, sharing one memory pool); returns the seconds it took."""
+    def capture_all(self, warm_up_each: bool = False) -> float:
+        """Capture every graph now (largest first, sharing one memory pool); returns the seconds it took.
+
+        Only the first graph of each kind runs eagerly before its capture (lazy inits); the others are
+        captured directly (``warm_up_each`` warms every size up). Measured on the H200 (Triton 3.6,
+        bench/graph_capture.py): Triton kernels compile and load inside a capture fine, graphs equal
+        the eager steps exactly, and 18 graphs take 0.56 s instead of 1.02 s.
+        """
         begin = time.perf_counter()
         keys = [("mixed", t) for t in self.mixed_sizes] + [("decode", b) for b in self.decode_sizes]
+        seen: set[str] = set()
         for key in sorted(keys, key=lambda k: -k[1]):
-            self._capture(key)
+            self._capture(key, warm_up=warm_up_each or key[0] not in seen)
+            seen.add(key[0])
         torch.cuda.synchronize()
         return time.perf_counter() - begin
 
-    def _capture(self, key: tuple[str, int]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, key: tuple[str, int], warm_up: bool = True) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         kind, size = key
         tokens, seqs, max_query_len = (size, size, 1) if kind == "decode" else (size, self.max_seqs, size)
         # Dummy inputs: every row a query of one empty-context sequence in the null block.
@@ -200,16 +209,24 @@ class ModelRunner:
             self.argmax_host[:seqs].copy_(logits.argmax(dim=-1), non_blocking=True)
             return logits
 
-        # Warm up on a side stream first (lazy inits, Triton compiles) so capture records only kernels.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            run()
-        torch.cuda.current_stream().wait_stream(side)
+        parts, t = self.capture_parts, time.perf_counter()
+        if warm_up:  # on a side stream first (lazy inits, Triton compiles), so capture records only kernels
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                run()
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+        parts["warmup"] = parts.get("warmup", 0.0) + time.perf_counter() - t
+        t = time.perf_counter()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             out = run()
+        parts["capture"] = parts.get("capture", 0.0) + time.perf_counter() - t
+        t = time.perf_counter()
         graph.replay()  # the first launch uploads the graph to the device: paid here, not by a request
+        torch.cuda.synchronize()
+        parts["replay"] = parts.get("replay", 0.0) + time.perf_counter() - t
         self.graphs[key] = (graph, out)
         return graph, out
 
