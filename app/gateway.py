@@ -207,7 +207,11 @@ def create_gateway(state: GatewayState) -> FastAPI:
             yield first
             async for event in events:
                 yield event
-        except (_Exhausted, _Unavailable) as exc:
+        except Exception as exc:  # the stream has begun: whatever went wrong ends it with an error event
+            if isinstance(exc, _Answered):  # an engine refused the resumed request: say what it answered
+                exc = RuntimeError(f"the engine refused to resume this request: {exc.response.body[:300]!r}")
+            elif not isinstance(exc, (_Exhausted, _Unavailable)):
+                log.exception("event=relay_failed route=%s id=%s", route, request.id)
             log_event(log, "stream_failed", route=route, id=request.id, resumes=request.resumes, error=exc)
             error = ErrorResponse(error=ErrorInfo(message=str(exc), type="server_error", code="engine_failed"))
             yield f"data: {error.model_dump_json()}\n\n".encode() + DONE

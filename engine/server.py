@@ -393,7 +393,7 @@ class EngineAPI:
         return ids
 
     def _resumed_prompt(self, resume: Resume) -> list[int]:
-        vocab = self.tokenizer.vocab_size
+        vocab = self.engine.args.shape.vocab  # the model's: its outputs may lie beyond the tokenizer's vocabulary
         bad = [i for i in [*resume.prompt_ids, *resume.output_ids] if not 0 <= i < vocab]
         if bad:
             raise ApiError(400, f"resumed token ids out of range [0, {vocab}): {bad[:5]}", param="warmgate_resume")
