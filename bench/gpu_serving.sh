@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU runs for the serving engine, on the device machine (torch + Triton there; the rest travels as wheels in .whl/,
 # the demo tokenizer for the synthetic checkpoint in .gputok/: see docs/benchmarks.md).
-#   bash bench/gpu_serving.sh setup probe tests profile engine restarts serve     # any subset, in this order
+#   bash bench/gpu_serving.sh setup probe tests graphs profile engine restarts serve     # any subset, in this order
 # Results go to a folder under /tmp/gpuout, packed at the end into $OUT/results.tgz (markdown copied beside it).
 # The synthetic llama3-8b fp8-block checkpoint stays in /tmp/wg while the machine is warm.
 set -uo pipefail
@@ -21,6 +21,7 @@ for step in "$@"; do
     probe)  timeout ${PROBE_TIMEOUT:-150} python3 bench/cublas_blockwise_rule.py --out $RUN | tail -30 ;;
     tests)  timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu ${TESTS_ARGS:-tests/test_gpu.py} -p no:cacheprovider 2>&1 \
               | tee $RUN/pytest_gpu.txt | tail -40 ;;
+    graphs) timeout ${GRAPHS_TIMEOUT:-300} python3 bench/graph_capture.py --model $MODEL --out $RUN/graphs 2>&1 | tail -8 ;;
     profile) timeout ${PROFILE_TIMEOUT:-200} python3 bench/gpu_step_profile.py --model $MODEL --out $RUN \
               ${PROFILE_ARGS:-} 2>&1 | tail -60
             ;;

@@ -9,6 +9,7 @@ write their keys into the null block and belong to no sequence; padding sequence
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -67,7 +68,7 @@ class ModelRunner:
         self.decode_sizes = decode_buckets(s)
         self.mixed_sizes = mixed_buckets(self.max_tokens)
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        self.capture_parts: dict[str, float] = {}  # seconds spent warming up, capturing and replaying graphs
+        self.capture_parts: dict[str, float] = {}  # host seconds spent warming up, capturing, replaying graphs
 
     # -- inputs ----------------------------------------------------------------------------
 
@@ -138,7 +139,7 @@ class ModelRunner:
             n_tokens, n_seqs = (key[1], key[1]) if decode else (key[1], self.max_seqs)
             self._stage(step, n_tokens, n_seqs)
             self._upload(n_seqs)
-            graph, logits = self.graphs.get(key) or self._capture(key)
+            graph, logits = self.graphs[key]  # capture_all() made every one
             graph.replay()
             torch.cuda.current_stream().synchronize()
             return StepOutput(logits[:seqs], self.argmax_host[:seqs].tolist())
@@ -180,29 +181,41 @@ class ModelRunner:
 
         Only the first graph of each kind runs eagerly before its capture (lazy inits); the others are
         captured directly (``warm_up_each`` warms every size up). Measured on the H200 (Triton 3.6,
-        bench/graph_capture.py): Triton kernels compile and load inside a capture fine, graphs equal
-        the eager steps exactly, and 18 graphs take 0.56 s instead of 1.02 s.
+        bench/graph_capture.py): Triton kernels compile and load inside a capture fine, and graphs
+        equal the eager steps exactly. Every graph is launched once after all are captured (the
+        first launch uploads it to the device), so the device-wide synchronize that torch.cuda.graph
+        does before each capture finds nothing to wait for, even with another engine busy on the GPU.
         """
         begin = time.perf_counter()
-        keys = [("mixed", t) for t in self.mixed_sizes] + [("decode", b) for b in self.decode_sizes]
+        keys = sorted([("mixed", t) for t in self.mixed_sizes] + [("decode", b) for b in self.decode_sizes],
+                      key=lambda k: -k[1])  # fmt: skip
         seen: set[str] = set()
-        for key in sorted(keys, key=lambda k: -k[1]):
+        for key in keys:
             self._capture(key, warm_up=warm_up_each or key[0] not in seen)
             seen.add(key[0])
+        t = time.perf_counter()
+        for key in keys:
+            self._dummy_inputs(key)
+            self.graphs[key][0].replay()  # paid here, not by a request
         torch.cuda.synchronize()
+        self.capture_parts["replay"] = time.perf_counter() - t
         return time.perf_counter() - begin
 
-    def _capture(self, key: tuple[str, int], warm_up: bool = True) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _dummy_inputs(self, key: tuple[str, int]) -> StepBatch:
+        """Inputs for a graph's capture and first launch, written on the device in stream order: every
+        row a query of one empty-context sequence in the null block."""
         kind, size = key
         tokens, seqs, max_query_len = (size, size, 1) if kind == "decode" else (size, self.max_seqs, size)
-        # Dummy inputs: every row a query of one empty-context sequence in the null block.
-        self.host.zero_()
-        starts = self.offsets["starts"]
-        self.host_np[starts : starts + seqs + 1] = np.minimum(np.arange(seqs + 1), tokens)
-        self.host_np[self.offsets["lengths"] : self.offsets["lengths"] + seqs] = 1
-        self.host_tables_np[:seqs] = 0
-        self._upload(seqs)
-        batch = self._batch(tokens, seqs, max_query_len)
+        o, m = self.offsets, self.meta
+        m.zero_()
+        m[o["starts"] : o["starts"] + seqs + 1] = torch.arange(seqs + 1, device=self.device).clamp_(max=tokens)
+        m[o["lengths"] : o["lengths"] + seqs] = 1
+        self.tables[:seqs].zero_()
+        return self._batch(tokens, seqs, max_query_len)
+
+    def _capture(self, key: tuple[str, int], warm_up: bool) -> None:
+        batch = self._dummy_inputs(key)
+        seqs = batch.seq_lens.shape[0]
 
         def run() -> torch.Tensor:
             logits = self._forward(batch)
@@ -210,25 +223,26 @@ class ModelRunner:
             return logits
 
         parts, t = self.capture_parts, time.perf_counter()
-        if warm_up:  # on a side stream first (lazy inits, Triton compiles), so capture records only kernels
-            side = torch.cuda.Stream()
+        side = _side_stream(self.device)
+        if warm_up:  # on the capture stream first (lazy inits, its cuBLAS workspace), so capture records kernels
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 run()
             torch.cuda.current_stream().wait_stream(side)
-            torch.cuda.synchronize()
         parts["warmup"] = parts.get("warmup", 0.0) + time.perf_counter() - t
         t = time.perf_counter()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, stream=side):
             out = run()
         parts["capture"] = parts.get("capture", 0.0) + time.perf_counter() - t
-        t = time.perf_counter()
-        graph.replay()  # the first launch uploads the graph to the device: paid here, not by a request
-        torch.cuda.synchronize()
-        parts["replay"] = parts.get("replay", 0.0) + time.perf_counter() - t
         self.graphs[key] = (graph, out)
-        return graph, out
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream warm-ups and captures run on: one per device and process, since torch keeps a cuBLAS
+    workspace (32 MiB on the H200) for every stream that ever ran a GEMM."""
+    return torch.cuda.Stream(device=device)
 
 
 def _bucket(sizes: list[int], n: int) -> int:
