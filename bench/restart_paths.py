@@ -59,8 +59,8 @@ class Load:
             while not self.stop.is_set():
                 prompt = [rng.randrange(1000, self.vocab - 1000) for _ in range(rng.randint(157, 163))]
                 body = {"prompt": prompt, "max_tokens": self.output, "temperature": 0, "ignore_eos": True,
-                        "stream": True}  # fmt: skip
-                record: dict[str, Any] = {"start": time.time(), "tokens": []}
+                        "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+                record: dict[str, Any] = {"start": time.time(), "tokens": [], "usage": None}
                 try:
                     with http.stream("POST", "/v1/completions", json=body) as response:
                         if response.status_code != 200:
@@ -72,13 +72,18 @@ class Load:
                                     raise RuntimeError(event["error"].get("message"))
                                 if event.get("choices") and event["choices"][0].get("text"):
                                     record["tokens"].append(time.time())
+                                record["usage"] = event.get("usage") or record["usage"]
+                    # Every token is there (a resumed stream included): the usage counts the whole request.
+                    generated = (record["usage"] or {}).get("completion_tokens")
+                    if generated != self.output:
+                        raise RuntimeError(f"{generated} tokens instead of {self.output}")
+                    record["end"] = time.time()
                 except (httpx.HTTPError, RuntimeError) as exc:
                     with self.lock:
                         self.failures.append(f"{type(exc).__name__}: {exc}")
                     continue
                 with self.lock:
                     self.requests.append(record)
-
 
 
 def first_token_from_new_engine(url: str, admin: httpx.Client, old: int | None) -> float:
@@ -166,7 +171,9 @@ def main() -> None:
         for _ in range(args.restarts):
             wait(lambda: status()["standbys"], 600, "no standby")
             restart("standby", {})
+        kills_began = time.time()
         for _ in range(args.kills):
+            time.sleep(3)  # streams in flight on the engine about to die
             wait(lambda: status()["standbys"], 600, "no standby")
             before = len([r for r in status()["restarts"] if r["reason"] == "crash"])
             now = status()
@@ -176,9 +183,13 @@ def main() -> None:
             os.kill(pid, signal.SIGKILL)
             first = first_token_from_new_engine(url, admin, old)
             crash = wait(lambda: [r for r in status()["restarts"] if r["reason"] == "crash"][before:], 120, "recovery")
-            rounds["kill"].append({"to_first_token_s": first - t, "report": crash[0],
+            rounds["kill"].append({"to_first_token_s": first - t, "report": crash[0], "killed_at": t,
                                    "failed_during": len(load.failures) - failed})  # fmt: skip
             print("kill", round(first - t, 3), crash[0]["path"], flush=True)
+        kills_ended = time.time()
+        time.sleep(15)  # requests after the kills
+        result["around_kills"] = _around(load.requests, kills_began, [r["killed_at"] for r in rounds["kill"]],
+                                         kills_ended)  # fmt: skip
         for i in range(args.forks):  # another config each time: no standby matches, the fork server starts one
             restart("fork", {"engine": {"default_max_tokens": 200 + i}})
         forks = _pid_of(f"fork-server --socket {root / 'run'}")
@@ -215,6 +226,13 @@ def main() -> None:
             failed = sum(r["failed_during"] for r in rounds[kind])
             lines.append(f"| {kind} | {s['n']} | {s['p50_s']:.3f} s | {s['min_s']:.3f} s | {s['max_s']:.3f} s "
                          f"| {failed} |")  # fmt: skip
+    if "around_kills" in result:
+        lines += ["", "requests around the kills (TTFT and TPOT in ms, p50 / p90):", "",
+                  "| window | requests | TTFT p50 | TTFT p90 | TPOT p50 | TPOT p90 |",
+                  "|---|---|---|---|---|---|"]  # fmt: skip
+        for window, st in result["around_kills"].items():
+            lines.append(f"| {window} | {st['n']} | {st['ttft_p50_ms']} | {st['ttft_p90_ms']} | "
+                         f"{st['tpot_p50_ms']} | {st['tpot_p90_ms']} |")  # fmt: skip
     reload_failed = sum(r["failed_during"] for r in rounds["reload"])
     reload_path = rounds["reload"][0]["report"].get("path") if rounds["reload"] else "-"
     lines.append(f"\nreload (max_num_seqs 64 -> 48): path {reload_path}, failed requests {reload_failed}")
@@ -243,6 +261,31 @@ def _stats(values: list[float]) -> dict[str, Any]:
         return {"n": 0}
     return {"n": len(values), "p50_s": statistics.median(values), "min_s": min(values), "max_s": max(values),
             "values_s": values}  # fmt: skip
+
+
+def _around(requests: list[dict[str, Any]], began: float, kills: list[float], ended: float) -> dict[str, Any]:
+    """TTFT and TPOT of the requests that ended in the 30 s before the kills, spanned a kill, or began after."""
+    windows: dict[str, list[dict[str, Any]]] = {"before": [], "during (in flight at a kill)": [], "after": []}
+    for r in requests:
+        if not r["tokens"] or "end" not in r:
+            continue
+        if began - 30 < r["end"] < began:
+            windows["before"].append(r)
+        elif any(r["start"] < k < r["end"] for k in kills):
+            windows["during (in flight at a kill)"].append(r)
+        elif ended < r["start"] < ended + 15:
+            windows["after"].append(r)
+
+    def q(values: list[float], p: float) -> float:
+        return round(1000 * sorted(values)[min(len(values) - 1, int(p * len(values)))], 1) if values else float("nan")
+
+    out = {}
+    for name, rs in windows.items():
+        ttft = [r["tokens"][0] - r["start"] for r in rs]
+        tpot = [(r["tokens"][-1] - r["tokens"][0]) / (len(r["tokens"]) - 1) for r in rs if len(r["tokens"]) > 1]
+        out[name] = {"n": len(rs), "ttft_p50_ms": q(ttft, 0.5), "ttft_p90_ms": q(ttft, 0.9),
+                     "tpot_p50_ms": q(tpot, 0.5), "tpot_p90_ms": q(tpot, 0.9)}  # fmt: skip
+    return out
 
 
 def _pid_of(cmdline_part: str) -> int | None:
