@@ -1,4 +1,4 @@
-"""The engine manager: starts engine workers, keeps standbys, promotes one to active, replaces crashes.
+"""The engine manager: a reconciler that keeps one active engine and ``standby`` standbys running.
 
 Explicit states, as in gunicorn's Arbiter:
 
@@ -6,17 +6,20 @@ Explicit states, as in gunicorn's Arbiter:
                      \\-> standby -> active (promoted)
         \\-> failed (did not start)      active/standby -> failed (crashed, or hung and killed)
 
-Desired state: one active engine and ``standby`` standbys for the current config. A standby is
-a fully started engine (weights attached, graphs captured, probe answered) that takes no traffic;
-a restart, a crash of the active engine or a reload promotes one when its config matches, which
-costs a switch instead of a start. A reconcile loop, woken whenever what runs changes, starts or
-retires standbys until they match; a liveness loop polls every engine's /health and kills one
-that stops answering (SIGSTOP, a hung kernel), which then counts as a crash.
+Desired state: an active engine that runs config C and was started (or promoted) for the latest
+restart request, plus ``standby`` standbys running C. One loop compares it with what runs and acts
+through small primitives: start an engine (forked, else spawned), promote one (a 1-token probe, then
+the switch), retire one (drain, stop). Everything else is a change of desired state or of what runs:
+an admin restart or a reload posts a request (new C, or the same C again) and waits for its report; a
+crash of the active engine leaves no active engine, which the loop repairs (with backoff); a reload
+of restart settings changes the standby count. A standby (weights attached, graphs captured, probe
+answered, no traffic) turns a start into a switch. A liveness loop polls every engine's /health and
+kills one that stops answering (SIGSTOP, a hung kernel), which then counts as a crash.
 
-Strategies: ``overlap`` starts the new engine, switches once it answered a real 1-token probe,
-then drains and stops the old one; ``replace`` drains and stops the old one first, while
-requests wait in the gateway's queue. A new engine that fails to start is stopped and
-reported; the current engine keeps serving (overlap).
+Strategies: ``overlap`` promotes (or starts) the new engine, switches once it answered a real
+1-token probe, then drains and stops the old one; ``replace`` drains and stops the old one first,
+while requests wait in the gateway's queue. A new engine that fails to start is stopped and reported;
+the current engine keeps serving (overlap), or the last good config is brought back (replace).
 """
 
 from __future__ import annotations
@@ -134,6 +137,16 @@ class RestartReport:
         }
 
 
+@dataclass
+class _Request:
+    """A change of desired state: the active engine must run ``config``, started for this request."""
+
+    config: dict[str, Any]
+    strategy: str
+    reason: str
+    done: asyncio.Future[RestartReport]
+
+
 class EngineManager:
     def __init__(self, run_dir: Path, start_timeout: float, drain_timeout: float, crash_backoff: float,
                  crash_backoff_max: float, metrics: Any = None, forker: ForkServer | None = None, standby: int = 0,
@@ -144,8 +157,6 @@ class EngineManager:
         self.health_interval = health_interval
         self.health_timeout = health_timeout
         self.standbys: list[Engine] = []
-        self._reconcile_wake = asyncio.Event()
-        self._loops: list[asyncio.Task[None]] = []
         self.start_timeout = start_timeout
         self.drain_timeout = drain_timeout
         self.crash_backoff = crash_backoff
@@ -156,10 +167,18 @@ class EngineManager:
         self.reports: deque[RestartReport] = deque(maxlen=20)
         self._ids = itertools.count(1)
         self._changed = asyncio.Condition()
-        self._restart_lock = asyncio.Lock()
-        self._watchers: set[asyncio.Task[None]] = set()
+        self._wake = asyncio.Event()  # what runs or what is wanted changed: reconcile
+        self._requests: deque[_Request] = deque()
+        self._config: dict[str, Any] = {}  # the desired config: the last one an active engine started with
+        self._lost = "crash"  # why no engine is active, when none is: the reason of the recovery's report
+        self._recovery_delay = crash_backoff
+        self._recover_after = 0.0  # monotonic time before which a failed recovery is not retried
+        self._standby_delay = crash_backoff
+        self._standby_after = 0.0
+        self._building: asyncio.Task[None] | None = None  # the standby being started
+        self._tasks: set[asyncio.Task[Any]] = set()  # watchers, drains, builds
+        self._loops: list[asyncio.Task[None]] = []
         self._closing = False
-        self._config: dict[str, Any] = {}
 
     # -- what the proxy uses ----------------------------------------------------------------
 
@@ -181,64 +200,31 @@ class EngineManager:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(engine.process.wait()), 0.5)
 
-    # -- lifecycle --------------------------------------------------------------------------
+    # -- desired state ------------------------------------------------------------------------
 
     async def start_first(self, config: dict[str, Any]) -> RestartReport:
-        report = await self.restart(config, "overlap", reason="start")
         if not self._loops:
             self._loops = [asyncio.create_task(self._reconcile_loop()), asyncio.create_task(self._liveness_loop())]
-        return report
+        return await self.restart(config, "overlap", reason="start")
 
     async def restart(self, config: dict[str, Any] | None, strategy: str, reason: str) -> RestartReport:
-        """Replace the active engine by one with ``config`` (none: the current config)."""
-        async with self._restart_lock:
-            config = config or self._config
-            report = RestartReport(reason=reason, strategy=strategy, ok=False)
-            t0 = time.perf_counter()
-            old = self.active
-            try:
-                t = time.perf_counter()
-                standby = await self._take_standby(config)
-                if standby is not None:
-                    report.phases["probe"] = time.perf_counter() - t
-                if strategy == "replace" and old is not None:
-                    await self._set_active(None)
-                    t = time.perf_counter()
-                    await self._drain_and_stop(old)
-                    report.phases["drain"] = time.perf_counter() - t
-                if standby is not None:
-                    engine, report.path = standby, "standby"
-                else:
-                    engine = await self._start(config, report)
-                t = time.perf_counter()
-                await self._set_active(engine)
-                report.phases["switch"] = time.perf_counter() - t
-                report.switched_at = time.time()
-                self._config = config
-                self._reconcile_wake.set()  # a new standby for this config, old ones retired
-                if strategy == "overlap" and old is not None:
-                    t = time.perf_counter()
-                    await self._drain_and_stop(old)
-                    report.phases["drain"] = time.perf_counter() - t
-                report.ok, report.engine = True, engine.id
-                report.weight_source = engine.health.get("weights", {}).get("source")
-            except EngineStartError as exc:
-                report.error = str(exc)
-                if strategy == "replace" and old is not None and self._config:
-                    self._schedule_recovery("replace failed")  # nothing serves now: bring back the last good config
-            report.phases["total"] = time.perf_counter() - t0
-            self.reports.append(report)
-            if self.metrics is not None:
-                self.metrics.restart_done(report)
-            log_event(log, "restart", reason=reason, strategy=strategy, ok=report.ok, engine=report.engine,
-                      weight_source=report.weight_source, path=report.path, error=report.error,
-                      **{f"{k}_s": v for k, v in report.phases.items()})  # fmt: skip
-            return report
+        """Want an active engine started for this request with ``config`` (none: the current config)."""
+        done: asyncio.Future[RestartReport] = asyncio.get_running_loop().create_future()
+        self._requests.append(_Request(config or self._config, strategy, reason, done))
+        self._wake.set()
+        return await done
+
+    def set_desired(self, standby: int, health_interval: float, health_timeout: float) -> None:
+        """New restart settings (a reload): the loop starts or retires standbys to match."""
+        self.standby_count, self.health_interval, self.health_timeout = standby, health_interval, health_timeout
+        self._wake.set()
 
     async def close(self) -> None:
         self._closing = True
-        for task in [*self._watchers, *self._loops]:
+        for task in [*self._tasks, *self._loops]:
             task.cancel()
+        for request in self._requests:
+            request.done.cancel()
         await asyncio.gather(*[self._stop(e) for e in list(self.engines.values())], return_exceptions=True)
 
     def status(self) -> dict[str, Any]:
@@ -249,10 +235,145 @@ class EngineManager:
             "restarts": [r.to_json() for r in self.reports],
         }
 
-    def set_desired(self, standby: int, health_interval: float, health_timeout: float) -> None:
-        """New restart settings (a reload): the reconcile loop starts or retires standbys to match."""
-        self.standby_count, self.health_interval, self.health_timeout = standby, health_interval, health_timeout
-        self._reconcile_wake.set()
+    # -- the reconcile loop -------------------------------------------------------------------
+
+    async def _reconcile_loop(self) -> None:
+        """Compare what runs with what is wanted, act, and sleep until either changes."""
+        while not self._closing:
+            await self._wake.wait()
+            self._wake.clear()
+            try:
+                if self._requests:
+                    request = self._requests.popleft()
+                    report = await self._replace_active(request.config, request.strategy, request.reason,
+                                                        request.done)  # fmt: skip
+                    self._after_attempt(report)
+                elif self.active is None and self._config:
+                    wait = self._recover_after - time.monotonic()
+                    if wait > 0:  # a failed recovery: try again after the backoff
+                        self._wake_in(wait)
+                    else:
+                        report = await self._replace_active(self._config, "replace", self._lost, None)
+                        self._after_attempt(report)
+                self._reconcile_standbys()
+            except Exception:  # the loop must outlive any one failure
+                log.exception("event=reconcile_failed")
+                self._wake_in(self.crash_backoff)
+            if self._requests:
+                self._wake.set()
+
+    def _after_attempt(self, report: RestartReport) -> None:
+        """Backoff bookkeeping: a failed attempt that leaves nothing serving is retried later, slower each time."""
+        if report.ok:
+            self._recovery_delay = self.crash_backoff
+        elif self.active is None:
+            self._recover_after = time.monotonic() + self._recovery_delay
+            self._recovery_delay = min(self._recovery_delay * 2, self.crash_backoff_max)
+            self._wake_in(self._recover_after - time.monotonic())
+
+    def _wake_in(self, seconds: float) -> None:
+        asyncio.get_running_loop().call_later(max(seconds, 0.0), self._wake.set)
+
+    async def _replace_active(self, config: dict[str, Any], strategy: str, reason: str,
+                              done: asyncio.Future[RestartReport] | None) -> RestartReport:  # fmt: skip
+        """Promote a matching standby, else start an engine with ``config``, and switch to it.
+
+        The old engine is drained in the background: the loop goes on while it finishes its requests;
+        the report (and ``done``) is complete once it has stopped.
+        """
+        report = RestartReport(reason=reason, strategy=strategy, ok=False)
+        t0 = time.perf_counter()
+        old = self.active
+        try:
+            t = time.perf_counter()
+            engine = await self._take_standby(config)
+            if engine is not None:
+                report.phases["probe"] = time.perf_counter() - t
+                report.path = "standby"
+            if strategy == "replace" and old is not None:
+                await self._set_active(None)
+                t = time.perf_counter()
+                await self._retire(old)
+                report.phases["drain"] = time.perf_counter() - t
+            if engine is None:
+                engine = await self._start(config, report)
+            t = time.perf_counter()
+            await self._set_active(engine)
+            report.phases["switch"] = time.perf_counter() - t
+            report.switched_at = time.time()
+            self._config = config
+            report.ok, report.engine = True, engine.id
+            report.weight_source = engine.health.get("weights", {}).get("source")
+        except EngineStartError as exc:
+            report.error = str(exc)
+            if self.active is None:  # `replace` stopped the old engine first: the last good config comes back
+                self._lost = "replace failed"
+        if report.ok and strategy == "overlap" and old is not None:
+            self._background(self._finish_overlap(old, report, t0, done))
+        else:
+            self._done(report, t0, done)
+        return report
+
+    async def _finish_overlap(self, old: Engine, report: RestartReport, t0: float,
+                              done: asyncio.Future[RestartReport] | None) -> None:  # fmt: skip
+        t = time.perf_counter()
+        await self._retire(old)
+        report.phases["drain"] = time.perf_counter() - t
+        self._done(report, t0, done)
+
+    def _done(self, report: RestartReport, t0: float, done: asyncio.Future[RestartReport] | None) -> None:
+        report.phases["total"] = time.perf_counter() - t0
+        self.reports.append(report)
+        if self.metrics is not None:
+            self.metrics.restart_done(report)
+        log_event(log, "restart", reason=report.reason, strategy=report.strategy, ok=report.ok, engine=report.engine,
+                  weight_source=report.weight_source, path=report.path, error=report.error,
+                  **{f"{k}_s": v for k, v in report.phases.items()})  # fmt: skip
+        if done is not None and not done.done():
+            done.set_result(report)
+
+    def _reconcile_standbys(self) -> None:
+        """Retire standbys of another config or beyond the wanted number; start one when one is missing."""
+        current = [e for e in self.standbys if e.config == self._config]
+        for stale in [e for e in self.standbys if e.config != self._config] + current[self.standby_count :]:
+            self.standbys.remove(stale)
+            self._background(self._retire(stale))
+        missing = self.standby_count - len(self.standbys)
+        if missing <= 0 or self._building is not None or self.active is None or self._closing:
+            return
+        wait = self._standby_after - time.monotonic()
+        if wait > 0:
+            self._wake_in(wait)
+            return
+        self._building = self._background(self._build_standby(self._config))
+
+    async def _build_standby(self, config: dict[str, Any]) -> None:
+        report = RestartReport(reason="standby", strategy="standby", ok=False)
+        try:
+            engine = await self._start(config, report)
+        except EngineStartError as exc:
+            log_event(log, "standby_failed", error=exc)
+            self._standby_after = time.monotonic() + self._standby_delay
+            self._standby_delay = min(self._standby_delay * 2, self.crash_backoff_max)
+            return
+        finally:
+            self._building = None
+            self._wake.set()
+        self._standby_delay = self.crash_backoff
+        if config != self._config or self._closing:  # the config changed while it started
+            await self._retire(engine)
+            return
+        engine.state = EngineState.STANDBY
+        self.standbys.append(engine)
+        self._count_states()
+        log_event(log, "standby_ready", engine=engine.id, path=report.path,
+                  **{f"{k}_s": v for k, v in report.phases.items()})  # fmt: skip
+
+    def _background(self, work: Any) -> asyncio.Task[Any]:
+        task = asyncio.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     # -- standbys and liveness -----------------------------------------------------------------
 
@@ -270,39 +391,6 @@ class EngineManager:
                 log_event(log, "standby_refused", engine=standby.id, error=f"{type(exc).__name__}: {exc}")
                 standby.state = EngineState.FAILED
                 await self._stop(standby, final=EngineState.FAILED)
-
-    async def _reconcile_loop(self) -> None:
-        """Start or retire standbys until ``standby_count`` of them run the current config."""
-        delay = self.crash_backoff
-        while not self._closing:
-            await self._reconcile_wake.wait()
-            self._reconcile_wake.clear()
-            current = [e for e in self.standbys if e.config == self._config]
-            # Standbys of another config, and any beyond the wanted number, are retired.
-            for stale in [e for e in self.standbys if e.config != self._config] + current[self.standby_count :]:
-                self.standbys.remove(stale)
-                stale.state = EngineState.DRAINING  # its exit is not a crash
-                await self._stop(stale)
-            while not self._closing and self.active is not None and len(self.standbys) < self.standby_count:
-                config = self._config
-                report = RestartReport(reason="standby", strategy="standby", ok=False)
-                try:
-                    engine = await self._start(config, report)
-                except EngineStartError as exc:
-                    log_event(log, "standby_failed", error=exc)
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, self.crash_backoff_max)
-                    continue
-                delay = self.crash_backoff
-                if config != self._config or self._closing:  # the config changed while it started
-                    engine.state = EngineState.DRAINING
-                    await self._stop(engine)
-                    continue
-                engine.state = EngineState.STANDBY
-                self.standbys.append(engine)
-                self._count_states()
-                log_event(log, "standby_ready", engine=engine.id, path=report.path,
-                          **{f"{k}_s": v for k, v in report.phases.items()})  # fmt: skip
 
     async def _liveness_loop(self) -> None:
         """Poll every running engine's /health; one that has not answered for health_timeout is killed."""
@@ -373,9 +461,7 @@ class EngineManager:
             why = "did not become ready in time" if isinstance(exc, TimeoutError) else str(exc)
             raise EngineStartError(f"engine {engine_id} {why}; log: {_tail(log_path)}") from None
         engine.state = EngineState.READY
-        task = asyncio.create_task(self._watch(engine))
-        self._watchers.add(task)
-        task.add_done_callback(self._watchers.discard)
+        self._background(self._watch(engine))
         return engine
 
     async def _launch(self, argv: list[str], log_path: Path, report: RestartReport) -> WorkerProcess:
@@ -415,7 +501,8 @@ class EngineManager:
         if response.status_code != 200:
             raise EngineStartError(f"probe answered {response.status_code}: {response.text[:200]}")
 
-    async def _drain_and_stop(self, engine: Engine) -> None:
+    async def _retire(self, engine: Engine) -> None:
+        """Drain the engine (its requests finish, new ones go elsewhere), then stop it."""
         engine.state = EngineState.DRAINING
         self._count_states()
         with contextlib.suppress(httpx.HTTPError, TimeoutError):
@@ -434,16 +521,16 @@ class EngineManager:
         self._count_states()
 
     async def _watch(self, engine: Engine) -> None:
-        """Notice a crash at once (process exit) and start a replacement, with backoff."""
+        """Notice a crash at once (process exit): what runs changed, so the loop replaces it."""
         code = await engine.process.wait()
         if self._closing or engine.state in (EngineState.DRAINING, EngineState.STOPPED, EngineState.FAILED):
             return
         if engine in self.standbys:
             self.standbys.remove(engine)
-            self._reconcile_wake.set()
         was_active = self.active is engine
         engine.state = EngineState.FAILED
         if was_active:
+            self._lost = "crash"
             await self._set_active(None)
         self.engines.pop(engine.id, None)
         engine.socket.unlink(missing_ok=True)  # a killed worker cannot remove it itself
@@ -452,22 +539,7 @@ class EngineManager:
             self.metrics.engine_crashed()
         if engine.client is not None:
             await engine.client.aclose()
-        if was_active:
-            self._schedule_recovery("crash")
-
-    def _schedule_recovery(self, reason: str) -> None:
-        task = asyncio.create_task(self._recover(reason))
-        self._watchers.add(task)
-        task.add_done_callback(self._watchers.discard)
-
-    async def _recover(self, reason: str) -> None:
-        delay = self.crash_backoff
-        while not self._closing and self.active is None:
-            report = await self.restart(None, "replace", reason=reason)
-            if report.ok:
-                return
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, self.crash_backoff_max)
+        self._wake.set()
 
     def _count_states(self) -> None:
         if self.metrics is not None:

@@ -368,6 +368,18 @@ def test_a_failed_start_leaves_the_engine_serving_and_sighup_reloads(gateway: Ga
     assert "kv_cache_bytes=1 cannot hold one sequence" in failed.json()["error"]
     assert gateway.admin("GET", "/admin/status").json()["active"] == before
     assert gateway.client().completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2).usage is not None
+    # With `replace` the old engine is gone before the new one fails: the last good config comes back.
+    failed = gateway.admin("POST", "/admin/restart", json={"strategy": "replace", "engine": {"kv_cache_bytes": 1}})
+    assert failed.status_code == 500 and failed.json()["ok"] is False
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        restarts = gateway.admin("GET", "/admin/status").json()["restarts"]
+        if restarts[-1]["reason"] == "replace failed" and restarts[-1]["ok"]:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"no recovery after a failed replace: {restarts[-2:]}")
+    assert gateway.client().completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2).usage is not None
     bad = gateway.admin("POST", "/admin/restart", json={"strategy": "sideways"})
     assert bad.status_code == 400 and "sideways" in bad.json()["error"]["message"]
 
