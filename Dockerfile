@@ -5,6 +5,7 @@ RUN apt-get update && apt-get install -y --no-install-recommends make && rm -rf 
 COPY pyproject.toml README.md ./
 COPY app ./app
 COPY cache ./cache
+COPY common ./common
 COPY engine ./engine
 # Pass a CPU wheel index through PIP_EXTRA_INDEX_URL / PIP_INDEX_URL for a smaller image.
 ARG TORCH_SPEC=torch==2.13.0

@@ -18,6 +18,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from common.settings import EngineSettings
+
 
 class ConfigError(ValueError):
     """The config file or the environment is invalid; the message is one readable line."""
@@ -32,21 +34,7 @@ class GatewaySettings(_Section):
     port: Annotated[int, Field(ge=0, le=65535)] = 8000
     api_keys: list[str] = []  # empty: no key needed
     admin_token: str | None = None  # none: generated at start into the run dir (mode 0600)
-
-
-class EngineSettings(_Section):
-    """What each engine worker gets (engine/config.py), besides the model and the cache socket."""
-
-    device: str = "cpu"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    max_num_seqs: Annotated[int, Field(ge=1)] = 16
-    max_model_len: Annotated[int | None, Field(ge=16)] = None
-    kv_cache_bytes: Annotated[int | None, Field(ge=1)] = None
-    max_num_batched_tokens: Annotated[int, Field(ge=16)] = 2048
-    block_size: Annotated[int, Field(ge=1, le=256)] = 16
-    cuda_graphs: bool = True
-    default_max_tokens: Annotated[int, Field(ge=1)] = 256
-    weights: Literal["ipc", "ipc-or-disk", "disk"] = "ipc-or-disk"
+    max_body_bytes: Annotated[int, Field(ge=1024)] = 8 * 2**20  # a larger request body gets 413
 
 
 class RestartSettings(_Section):
@@ -87,9 +75,11 @@ class Settings(BaseSettings):
         return env_settings, init_settings  # the environment overrides the file
 
     def engine_config(self, model: Path, cache_socket: Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The JSON config for one engine worker (engine/config.py's EngineConfig)."""
-        engine = self.engine.model_copy(update=overrides or {})
-        EngineSettings.model_validate(engine.model_dump())  # overrides are checked like the file
+        """The JSON config for one engine worker (engine/config.py's EngineConfig).
+
+        ``overrides`` are checked like the file: an unknown key or a bad value raises ValidationError.
+        """
+        engine = EngineSettings.model_validate({**self.engine.model_dump(), **(overrides or {})})
         return {
             **engine.model_dump(),
             "model": str(model),

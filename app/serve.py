@@ -19,6 +19,8 @@ from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from app.cache_process import CacheHandle, start_or_adopt
 from app.config import ConfigError, Settings, load_settings
 from app.engines import EngineManager
@@ -55,8 +57,9 @@ class Supervisor:
             raise ValueError("engine overrides must be an object of engine settings")
         try:
             config = self.settings.engine_config(self.model, self.cache.socket, overrides)
-        except Exception as exc:  # pydantic's ValidationError: an override the engine would refuse
-            raise ValueError(f"invalid engine override: {exc}".splitlines()[0]) from None
+        except ValidationError as exc:  # an unknown key or a value the engine would refuse
+            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            raise ValueError(f"invalid engine override, nothing restarted: {problems}") from None
         report = await self.manager.restart(config, strategy, reason="admin")
         return report.to_json()
 
@@ -160,7 +163,8 @@ async def _serve(settings: Settings, config_path: Path | None, overrides: dict[s
         if not report.ok:
             raise RuntimeError(f"the first engine did not start: {report.error}")
         state = GatewayState(manager, metrics, settings.gateway.api_keys, token, r.queue_timeout, r.max_queue,
-                             r.request_resumes, supervisor.restart, supervisor.reload, supervisor.status)  # fmt: skip
+                             r.request_resumes, settings.gateway.max_body_bytes, supervisor.restart,
+                             supervisor.reload, supervisor.status)  # fmt: skip
         app = create_gateway(state)
         config = uvicorn.Config(app, host=settings.gateway.host, port=settings.gateway.port, log_config=None,
                                 log_level="warning", access_log=False, lifespan="off")  # fmt: skip

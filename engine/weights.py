@@ -149,7 +149,7 @@ class CachedOrDiskWeights:
 
 def weight_source(model: Path, policy: str, cache_socket: Path | None) -> WeightSource:
     """The weight source an engine config asks for."""
-    if policy == "disk":
+    if policy == "disk" or (policy == "ipc-or-disk" and cache_socket is None):  # no cache: the checkpoint
         return DiskWeights(model)
     if cache_socket is None:
         raise ValueError(f"weights={policy!r} needs cache_socket")

@@ -38,3 +38,26 @@ def test_invalid_files_are_refused_with_one_line(tmp_path: Path, text: str, word
         load_settings(config)
     message = str(error.value)
     assert "\n" not in message and all(w in message for w in words), message
+
+
+def test_the_gateway_and_the_workers_share_one_definition_of_engine_settings(tmp_path: Path) -> None:
+    from pydantic import ValidationError
+
+    from common.settings import EngineSettings
+    from engine.config import EngineConfig
+
+    settings = load_settings(None)
+    assert type(settings.engine) is EngineSettings and issubclass(EngineConfig, EngineSettings)
+    # What the gateway hands a worker is exactly what a worker accepts, defaults included.
+    worker = EngineConfig.model_validate(settings.engine_config(Path("/models/a"), Path("/run/cache.sock")))
+    assert worker.model_dump(include=set(EngineSettings.model_fields)) == settings.engine.model_dump()
+    # An override with a typo (an admin restart's body) is refused, naming the key; so is a bad value.
+    with pytest.raises(ValidationError) as typo:
+        settings.engine_config(Path("/models/a"), Path("/run/cache.sock"), {"max_num_seq": 4})
+    assert typo.value.errors()[0]["loc"] == ("max_num_seq",)
+    with pytest.raises(ValidationError):
+        settings.engine_config(Path("/models/a"), Path("/run/cache.sock"), {"max_num_seqs": 0})
+    # A worker with no cache configured reads the checkpoint under ipc-or-disk; `ipc` needs the cache.
+    assert EngineConfig(model=tmp_path).weights == "ipc-or-disk"
+    with pytest.raises(ValidationError, match="needs cache_socket"):
+        EngineConfig(model=tmp_path, weights="ipc")

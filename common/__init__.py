@@ -1,0 +1,1 @@
+"""What every warmgate process uses (the supervisor, the cache process, engine workers)."""
