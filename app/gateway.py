@@ -23,6 +23,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.engines import Engine, EngineManager
 from app.metrics import GatewayMetrics
@@ -49,6 +50,7 @@ class GatewayState:
     queue_timeout: float
     max_queue: int
     resumes: int  # restart.request_resumes: how many times one request may move to another engine
+    max_body_bytes: int  # gateway.max_body_bytes: larger request bodies get 413
     restart: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]  # admin restart (body -> report)
     reload: Callable[[], Awaitable[dict[str, Any]]]  # admin reload -> report (raises ValueError on a bad file)
     status: Callable[[], dict[str, Any]]
@@ -163,19 +165,29 @@ def create_gateway(state: GatewayState) -> FastAPI:
                 return JSONResponse(error, status_code=500 if kind == "server_error" else 503)
         return JSONResponse(request.response())
 
+    async def read_body(raw: Request) -> bytes:
+        """The request body, refused (413) beyond max_body_bytes before more of it is read."""
+        limit = state.max_body_bytes
+        declared = raw.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise _BadBody(413, f"the request body ({int(declared)} bytes) exceeds the limit of {limit} bytes")
+        body = bytearray()
+        async for chunk in raw.stream():
+            body += chunk
+            if len(body) > limit:
+                raise _BadBody(413, f"the request body exceeds the limit of {limit} bytes")
+        return bytes(body)
+
     async def proxy(raw: Request, route: str) -> Response:
         started = time.perf_counter()
         if state.api_keys and not authorized(raw, state.api_keys):
             metrics.requests.labels(route, "401").inc()
             return openai_error(401, "invalid or missing API key (Authorization: Bearer ...)", "authentication_error")
-        body = await raw.body()
         try:
-            payload = json.loads(body)
-            if not isinstance(payload, dict):
-                raise ValueError("the body must be a JSON object")
-        except ValueError as exc:
-            metrics.requests.labels(route, "400").inc()
-            return openai_error(400, f"invalid JSON body: {exc}")
+            payload = parse_object(await read_body(raw))
+        except _BadBody as exc:
+            metrics.requests.labels(route, str(exc.status)).inc()
+            return openai_error(exc.status, str(exc))
         request = InFlight(route, payload)
         events = run(request, started)
         status = "200"
@@ -275,12 +287,12 @@ def create_gateway(state: GatewayState) -> FastAPI:
     async def admin_restart(request: Request) -> Response:
         if (denied := admin(request)) is not None:
             return denied
-        raw = await request.body()
         try:
-            body = json.loads(raw) if raw else {}
-            if not isinstance(body, dict):
-                raise ValueError("the body must be a JSON object")
+            raw = await read_body(request)
+            body = parse_object(raw) if raw else {}
             report = await state.restart(body)
+        except _BadBody as exc:
+            return openai_error(exc.status, str(exc))
         except ValueError as exc:
             return openai_error(400, str(exc))
         return JSONResponse(report, status_code=200 if report["ok"] else 500)
@@ -301,7 +313,30 @@ def create_gateway(state: GatewayState) -> FastAPI:
             return denied
         return JSONResponse(state.status())
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """404, 405 and the like in the OpenAI error shape."""
+        return openai_error(exc.status_code, f"{exc.detail}", "invalid_request_error", code=str(exc.status_code))
+
     return app
+
+
+def parse_object(body: bytes) -> dict[str, Any]:
+    """A JSON object from a request body; _BadBody (400) for anything else, pathological nesting included."""
+    try:
+        payload = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise _BadBody(400, f"invalid JSON body: {why}") from None
+    if not isinstance(payload, dict):
+        raise _BadBody(400, "invalid JSON body: the body must be a JSON object")
+    return payload
+
+
+class _BadBody(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class _Unavailable(Exception):

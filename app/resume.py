@@ -116,7 +116,7 @@ class InFlight:
     def ending(self) -> list[bytes]:
         """The events after the last token's (its engine failed in between): usage if asked, then [DONE]."""
         wants_usage = bool((self.payload.get("stream_options") or {}).get("include_usage"))
-        if not (self.streams and wants_usage):
+        if not (self.streams and wants_usage) or self.finish == "error":
             return [DONE]
         kind = ChatCompletionChunk if self.route == CHAT else CompletionChunk
         chunk = kind(id=self.id or "", created=self.created or 0, model=self.model, choices=[], usage=self.usage())

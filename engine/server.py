@@ -378,10 +378,9 @@ class EngineAPI:
         if request.warmgate_resume is not None:
             return self._resumed_prompt(request.warmgate_resume)
         prompt = request.prompt
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt[0], str):
-            ids = self.tokenizer.encode(str(prompt[0]))
+        if isinstance(prompt, str) or isinstance(prompt[0], str):
+            text = prompt if isinstance(prompt, str) else str(prompt[0])
+            ids = self.tokenizer.encode(self.checked_text(text, "prompt"))
         else:
             ids = [int(i) for i in prompt]
             vocab = self.tokenizer.vocab_size
@@ -404,9 +403,28 @@ class EngineAPI:
         if request.warmgate_resume is not None:
             return self._resumed_prompt(request.warmgate_resume)
         try:
-            return self.tokenizer.apply_chat_template(request.template_messages())
+            text = self.tokenizer.render_chat(request.template_messages())
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc), param="messages") from exc
+        return self.tokenizer.encode_rendered(self.checked_text(text, "messages"))
+
+    def checked_text(self, text: str, param: str) -> str:
+        """The text, if it is valid Unicode and could fit the context; checked before any tokenizing.
+
+        A token stands for at most ``max_token_chars`` characters, so a text that long cannot have
+        fewer than len(text) / max_token_chars tokens: a huge prompt is refused at once, not tokenized.
+        """
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ApiError(400, f"the {param} is not valid Unicode text: {exc.reason} at character {exc.start}",
+                           param=param) from None  # fmt: skip
+        limit = self.engine.max_model_len
+        if len(text) > limit and (at_least := len(text) // self.tokenizer.max_token_chars) > limit:
+            raise ApiError(400, f"This model's maximum context length is {limit} tokens, but the {param} has at "
+                                f"least {at_least} tokens ({len(text)} characters). Please shorten it.",
+                           param=param)  # fmt: skip
+        return text
 
     async def chat_events(self, request: ChatCompletionRequest, generation: TextGeneration,
                           ids: list[int]) -> AsyncIterator[str]:  # fmt: skip

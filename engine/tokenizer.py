@@ -6,6 +6,7 @@ transformers does, so prompts match token for token while start-up stays well un
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -93,6 +94,11 @@ class ChatTokenizer:
             ids.append(eos_id)
         return ids
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token can stand for (its vocabulary string's length bounds it)."""
+        return max((len(token) for token in self._tokenizer.get_vocab(with_added_tokens=True)), default=1)
+
     @property
     def vocab_size(self) -> int:
         """Number of token ids the tokenizer knows, added tokens included."""
@@ -114,8 +120,11 @@ class ChatTokenizer:
             raise ChatTemplateError(f"chat template error: {exc}") from exc
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of the rendered chat; the template writes its own special tokens, so none are added."""
-        text = self.render_chat(messages, add_generation_prompt)
+        """Token ids of the rendered chat."""
+        return self.encode_rendered(self.render_chat(messages, add_generation_prompt))
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """Token ids of a rendered chat: the template writes its own special tokens, so none are added."""
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

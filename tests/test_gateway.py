@@ -267,6 +267,33 @@ def _metrics(gateway: Gateway) -> dict[str, float]:
     return values
 
 
+def test_hostile_input_gets_openai_errors_never_a_5xx(gateway: Gateway) -> None:
+    def post(path: str, content: bytes | str) -> httpx.Response:
+        headers = {**AUTH, "content-type": "application/json"}
+        return httpx.post(f"{gateway.url}{path}", content=content, headers=headers, timeout=60)
+
+    def error(response: httpx.Response, status: int, *words: str) -> None:
+        assert response.status_code == status, response.text
+        body = response.json()["error"]
+        assert set(body) >= {"message", "type", "code"} and all(w in body["message"] for w in words), body
+
+    lone = '{"model": "demo", "max_tokens": 2, "prompt": "Hi \\ud800 there"}'  # a lone surrogate escape
+    error(post("/v1/completions", lone), 400, "not valid Unicode")
+    chat = '{"model": "demo", "max_tokens": 2, "messages": [{"role": "user", "content": "\\udfff"}]}'
+    error(post("/v1/chat/completions", chat), 400, "not valid Unicode")
+    error(post("/v1/completions", "[" * 100_000 + "]" * 100_000), 400, "nested too deeply")
+    error(post("/v1/chat/completions", b"x" * (9 * 2**20)), 413, "exceeds the limit")
+    # Under the body limit but far beyond the context: refused before the 2 MB are tokenized.
+    huge = json.dumps({"model": "demo", "max_tokens": 2, "prompt": "word " * 400_000})
+    error(post("/v1/completions", huge), 400, "maximum context length", "at least")
+    error(httpx.get(f"{gateway.url}/v1/nowhere", headers=AUTH), 404, "Not Found")
+    error(httpx.get(f"{gateway.url}/v1/completions", headers=AUTH), 405, "Method Not Allowed")
+    typo = gateway.admin("POST", "/admin/restart", content=b"[" * 50_000)
+    error(typo, 400, "nested too deeply")
+    # And the gateway serves on.
+    assert gateway.client().completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2).usage is not None
+
+
 def test_metrics_agree_with_what_clients_saw(gateway: Gateway) -> None:
     chat, text = "/v1/chat/completions", "/v1/completions"
     before = _metrics(gateway)
@@ -382,6 +409,8 @@ def test_a_failed_start_leaves_the_engine_serving_and_sighup_reloads(gateway: Ga
     assert gateway.client().completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2).usage is not None
     bad = gateway.admin("POST", "/admin/restart", json={"strategy": "sideways"})
     assert bad.status_code == 400 and "sideways" in bad.json()["error"]["message"]
+    typo = gateway.admin("POST", "/admin/restart", json={"engine": {"max_num_seq": 4}})
+    assert typo.status_code == 400 and "max_num_seq: Extra inputs" in typo.json()["error"]["message"], typo.text
 
     # SIGHUP re-reads the file: a new default max_tokens shows in behaviour, not only in status.
     write_config(gateway.config, model, max_num_seqs=4, default_max_tokens=3)

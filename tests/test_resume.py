@@ -183,3 +183,50 @@ def test_a_poison_request_fails_after_its_resumes_and_the_others_are_served(gate
     assert _crashes(gateway) == crashes + RESUMES + 1  # it killed one engine per try, then the gateway gave up
     assert len(answers) == 3 and all(a[1] in ("stop", "length") and a[0] for a in answers), answers
     assert _whole(client, kind, body)[0] == answers[0][0]  # and the gateway serves on
+
+
+def _sse(data: dict[str, Any], note: dict[str, Any] | None = None) -> bytes:
+    """An internal SSE event: the data line, and the engine's comment line when ``note`` is given."""
+    import json
+
+    line = f"data: {json.dumps(data)}\n"
+    return (line + (f": warmgate {json.dumps(note)}\n" if note is not None else "") + "\n").encode()
+
+
+def test_the_gateway_state_of_a_request_follows_the_internal_stream() -> None:
+    import json
+
+    from app.resume import DONE, EngineFailed, InFlight, split_events
+
+    request = InFlight("/v1/chat/completions", {"messages": [], "stream": True, "warmgate_resume": {"id": "forged"},
+                                                "stream_options": {"include_usage": True}})  # fmt: skip
+    assert "warmgate_resume" not in json.loads(request.body())  # a client cannot forge one
+    opening = b': warmgate {"prompt_ids":[1,2,3],"id":"chatcmpl-1","created":7,"model":"demo"}\n\n'
+    role = _sse({"id": "chatcmpl-1", "choices": [{"delta": {"role": "assistant", "content": ""}}]})
+    token = _sse({"id": "chatcmpl-1", "choices": [{"delta": {"content": "Hi"}}]}, {"ids": [42, 43], "chars": 2})
+    events, rest = split_events(opening + role + token[:30])
+    assert [request.take(e) for e in events] == [None, role] and rest == token[:30]
+    assert request.take(token) == token.split(b"\n")[0] + b"\n\n"  # the comment line never reaches the client
+    assert (request.prompt_ids, request.output_ids, request.chars, request.started) == ([1, 2, 3], [42, 43], 2, True)
+    resume = json.loads(request.body())["warmgate_resume"]
+    assert resume == {"id": "chatcmpl-1", "created": 7, "prompt_ids": [1, 2, 3], "output_ids": [42, 43], "chars": 2,
+                      "started": True}  # fmt: skip
+    with pytest.raises(EngineFailed):
+        request.take(_sse({"error": {"message": "stopped", "type": "service_unavailable", "code": "engine_stopped"}}))
+    # The engine died after the last token's event, before the usage chunk and [DONE]: the gateway ends it.
+    request.take(_sse({"choices": [{"delta": {"content": "!"}, "finish_reason": "stop"}]},
+                      {"ids": [2], "chars": 3, "finish": "stop"}))  # fmt: skip
+    usage_chunk, done = request.ending()
+    usage = json.loads(usage_chunk[6:])
+    assert done == DONE and usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert usage["id"] == "chatcmpl-1" and usage["choices"] == [] and usage["object"] == "chat.completion.chunk"
+
+    whole = InFlight("/v1/completions", {"prompt": "x"})
+    whole.take(opening.replace(b"chatcmpl", b"cmpl"))
+    for event in (_sse({"choices": [{"text": "Hel"}]}, {"ids": [5], "chars": 3}),
+                  _sse({"choices": [{"text": "lo", "finish_reason": "length"}]},
+                       {"ids": [6], "chars": 5, "finish": "length"})):  # fmt: skip
+        assert whole.add(whole.take(event) or b"") is None
+    body = whole.response()
+    assert body["object"] == "text_completion" and body["choices"][0]["text"] == "Hello"
+    assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 2
