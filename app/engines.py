@@ -242,6 +242,7 @@ class EngineManager:
         while not self._closing:
             await self._wake.wait()
             self._wake.clear()
+            request: _Request | None = None
             try:
                 if self._requests:
                     request = self._requests.popleft()
@@ -256,8 +257,12 @@ class EngineManager:
                         report = await self._replace_active(self._config, "replace", self._lost, None)
                         self._after_attempt(report)
                 self._reconcile_standbys()
-            except Exception:  # the loop must outlive any one failure
+            except Exception as exc:  # the loop must outlive any one failure, and no caller waits forever
                 log.exception("event=reconcile_failed")
+                if request is not None and not request.done.done():
+                    why = f"{type(exc).__name__}: {exc}"
+                    failed = RestartReport(request.reason, request.strategy, False, error=why)
+                    self._done(failed, time.perf_counter(), request.done)
                 self._wake_in(self.crash_backoff)
             if self._requests:
                 self._wake.set()
