@@ -30,8 +30,9 @@ class CacheHandle:
     key: str
     process: asyncio.subprocess.Process | None  # None: adopted, not ours to stop
 
-    def stats(self) -> dict[str, Any]:
-        with CacheClient(self.socket, name="gateway") as client:
+    def stats(self, timeout: float = 10.0) -> dict[str, Any]:
+        """The cache's stats (a blocking call: from the event loop, run it in a thread)."""
+        with CacheClient(self.socket, name="gateway", timeout=timeout) as client:
             return client.stats()
 
     async def stop(self) -> None:

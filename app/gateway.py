@@ -53,7 +53,7 @@ class GatewayState:
     max_body_bytes: int  # gateway.max_body_bytes: larger request bodies get 413
     restart: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]  # admin restart (body -> report)
     reload: Callable[[], Awaitable[dict[str, Any]]]  # admin reload -> report (raises ValueError on a bad file)
-    status: Callable[[], dict[str, Any]]
+    status: Callable[[], Awaitable[dict[str, Any]]]
     waiting: int = 0
 
 
@@ -311,7 +311,7 @@ def create_gateway(state: GatewayState) -> FastAPI:
     async def admin_status(request: Request) -> Response:
         if (denied := admin(request)) is not None:
             return denied
-        return JSONResponse(state.status())
+        return JSONResponse(await state.status())
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

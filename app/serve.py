@@ -32,6 +32,7 @@ from cache.uds import private_dir
 
 log = logging.getLogger("warmgate.gateway")
 TOKEN_FILE = "admin-token"
+CACHE_STATUS_TIMEOUT = 2.0  # seconds the status page waits for the cache's stats
 
 
 class Supervisor:
@@ -99,9 +100,10 @@ class Supervisor:
         r = self.settings.restart
         self.manager.set_desired(r.standby, r.health_interval, r.health_timeout)
 
-    def status(self) -> dict[str, Any]:
+    async def status(self) -> dict[str, Any]:
+        """The status document; the cache is asked in a thread, so a hung cache never stalls the gateway."""
         try:
-            stats = self.cache.stats()
+            stats = await asyncio.to_thread(self.cache.stats, CACHE_STATUS_TIMEOUT)
             keep = ("key", "bytes", "leases", "attach_count", "pid")
             cache = {**{k: stats[k] for k in keep}, "socket": str(self.cache.socket)}
             self.metrics.cache_bytes.set(stats["bytes"])

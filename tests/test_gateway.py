@@ -294,6 +294,30 @@ def test_hostile_input_gets_openai_errors_never_a_5xx(gateway: Gateway) -> None:
     assert gateway.client().completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2).usage is not None
 
 
+def test_a_stopped_cache_process_stalls_neither_requests_nor_the_status_page(gateway: Gateway) -> None:
+    cache_pid = gateway.admin("GET", "/admin/status").json()["cache"]["pid"]
+    finished: dict[str, float] = {}
+
+    def status() -> None:
+        response = gateway.admin("GET", "/admin/status")
+        assert response.status_code == 200 and "error" in response.json()["cache"], response.text
+        finished["status"] = time.monotonic()
+
+    os.kill(cache_pid, signal.SIGSTOP)
+    try:
+        asking = threading.Thread(target=status)
+        asking.start()
+        time.sleep(0.3)  # the status call is now waiting for the stopped cache
+        answer = gateway.client().completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2)
+        finished["completion"] = time.monotonic()
+        asking.join(timeout=60)
+    finally:
+        os.kill(cache_pid, signal.SIGCONT)
+    assert answer.usage is not None and "status" in finished
+    assert finished["completion"] < finished["status"], "the status call held up the gateway's event loop"
+    assert "error" not in gateway.admin("GET", "/admin/status").json()["cache"]  # answers again once it runs
+
+
 def test_metrics_agree_with_what_clients_saw(gateway: Gateway) -> None:
     chat, text = "/v1/chat/completions", "/v1/completions"
     before = _metrics(gateway)
