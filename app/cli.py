@@ -55,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--socket", type=Path, required=True, help="Unix socket to serve on (its directory: 0700)")
     cache.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N: where the weights are kept")
     cache.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                       help="compute dtype the engines will use (auto: float32 on CPU, bfloat16 on CUDA)")  # fmt: skip
+                       help="the engines' compute dtype (auto: the backend's default for the device)")  # fmt: skip
+    cache.add_argument("--backend", default="native", choices=("native", "vllm"),
+                       help="whose weight processor lays the tensors out (the engines' backend)")  # fmt: skip
     cache.set_defaults(run=_cache)
 
     serve = commands.add_parser("serve", help="run the OpenAI gateway: cache process, engines, HTTP API")
@@ -165,7 +167,7 @@ def _admin(args: argparse.Namespace) -> None:
 def _cache(args: argparse.Namespace) -> None:
     from cache.server import main as run_cache
 
-    run_cache(args.model, args.socket, device=args.device, dtype=args.dtype)
+    run_cache(args.model, args.socket, device=args.device, dtype=args.dtype, backend=args.backend)
 
 
 def _engine(args: argparse.Namespace) -> None:

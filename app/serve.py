@@ -21,7 +21,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from app.cache_process import CacheHandle, start_or_adopt
+from app.cache_process import CacheHandle, CacheSpec, CacheStartError, start_or_adopt
 from app.config import ConfigError, Settings, load_settings
 from app.engines import EngineManager
 from app.fork_client import ForkServer, ForkServerUnavailable
@@ -61,6 +61,10 @@ class Supervisor:
         except ValidationError as exc:  # an unknown key or a value the engine would refuse
             problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
             raise ValueError(f"invalid engine override, nothing restarted: {problems}") from None
+        keyed = [k for k in ("backend", "device", "dtype") if config[k] != getattr(self.settings.engine, k)]
+        if keyed:
+            raise ValueError(f"engine override of {', '.join(keyed)} needs other cached weights: change the config "
+                             "file and reload (a cache for the new settings is built first), nothing restarted")
         report = await self.manager.restart(config, strategy, reason="admin")
         return report.to_json()
 
@@ -71,20 +75,24 @@ class Supervisor:
             raise ValueError(str(exc)) from None
         new_model = new.model.resolve() if new.model else self.model
         strategy = new.restart.strategy
-        if new_model != self.model:
+        spec = CacheSpec.of(new, new_model)
+        if spec != self.cache.spec:  # model, backend, device or dtype: other weights, from another cache
+            changed = "model" if spec.model != self.cache.spec.model else "cache"
             old_cache = self.cache
             self.caches_started += 1
             socket = self.settings.run_dir / f"cache-{self.caches_started}.sock"
-            cache = await start_or_adopt(new_model, socket, new.cache_device or new.engine.device, new.engine.dtype,
-                                         self.settings.run_dir / "cache.log")  # fmt: skip
+            try:
+                cache = await start_or_adopt(spec, socket, self.settings.run_dir / "cache.log")
+            except CacheStartError as exc:
+                raise ValueError(f"reload refused, the old engines keep serving: {exc}") from None
             report = await self.manager.restart(new.engine_config(new_model, cache.socket), strategy, reason="reload")
             if not report.ok:
                 await cache.stop()
-                return {"changed": "model", **report.to_json()}
+                return {"changed": changed, **report.to_json()}
             self.cache, self.model = cache, new_model
             await old_cache.stop()
             self._apply(new)
-            return {"changed": "model", **report.to_json()}
+            return {"changed": changed, **report.to_json()}
         if new.engine != self.settings.engine or new.served_model_name != self.settings.served_model_name:
             report = await self.manager.restart(new.engine_config(self.model, self.cache.socket), strategy,
                                                 reason="reload")  # fmt: skip
@@ -109,6 +117,7 @@ class Supervisor:
             self.metrics.cache_bytes.set(stats["bytes"])
         except Exception as exc:  # the status page must answer even when the cache does not
             cache = {"error": f"{type(exc).__name__}: {exc}", "socket": str(self.cache.socket)}
+        cache["backend"] = self.cache.spec.backend
         return {"model": str(self.model), "cache": cache, **self.manager.status()}
 
 
@@ -147,8 +156,7 @@ async def _serve(settings: Settings, config_path: Path | None, overrides: dict[s
     forker = ForkServer(run_dir / "fork.sock", run_dir / "fork-server.log") if r.fork_server else None
     forking = asyncio.create_task(forker.start()) if forker is not None else None  # imports torch meanwhile
     try:
-        cache = await start_or_adopt(model, run_dir / "cache.sock", settings.cache_device or settings.engine.device,
-                                     settings.engine.dtype, run_dir / "cache.log")  # fmt: skip
+        cache = await start_or_adopt(CacheSpec.of(settings, model), run_dir / "cache.sock", run_dir / "cache.log")
         if forking is not None:
             await forking
     except ForkServerUnavailable as exc:  # engines are spawned instead; a restart tries the fork server again

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.engine_timing import decode_step_seconds
 from cache.checkpoint.fp8 import dequantize_weight, quantize_weight
 from cache.checkpoint.schemes import Activations, LinearScheme, WeightKind
-from cache.processing import FP8_BLOCK_SCALED_MM, process_linear
+from cache.processors.native import FP8_BLOCK_SCALED_MM, process_linear
 
 HBM_BYTES_PER_S = 4.8e12
 BLOCK = LinearScheme(WeightKind.FP8_BLOCK, Activations.DYNAMIC_GROUP)

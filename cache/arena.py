@@ -57,14 +57,29 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def plan_layout(tensors: dict[str, torch.Tensor]) -> tuple[list[TensorEntry], int]:
-    """Offsets for every tensor (stored contiguous) in one arena, and the arena's size in bytes."""
+    """Offsets for every tensor in one arena, and the arena's size in bytes.
+
+    A dense tensor keeps its strides (a transposed weight stays transposed: kernels such as
+    torch._scaled_mm require that layout); any other tensor is stored contiguous.
+    """
     entries, offset = [], 0
     for name, t in tensors.items():
         offset = -(-offset // ALIGN) * ALIGN
-        contiguous_stride = torch.empty(t.shape, device="meta").stride()
-        entries.append(TensorEntry(name, 0, offset, dtype_name(t.dtype), tuple(t.shape), tuple(contiguous_stride)))
+        stride = t.stride() if _dense(t) else torch.empty(t.shape, device="meta").stride()
+        entries.append(TensorEntry(name, 0, offset, dtype_name(t.dtype), tuple(t.shape), tuple(stride)))
         offset += t.numel() * t.element_size()
     return entries, max(offset, ALIGN)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Its elements fill a block of exactly numel() slots with no gaps or overlaps (a permuted contiguous tensor)."""
+    expected = 1
+    dims = sorted((stride, size) for size, stride in zip(t.shape, t.stride(), strict=True) if size != 1)
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def tensor_views(buffer: torch.Tensor, entries: list[TensorEntry]) -> dict[str, torch.Tensor]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,17 +25,18 @@ from cache.checkpoint.reader import Checkpoint
 from cache.checkpoint.schemes import LinearScheme, WeightKind
 from cache.checkpoint.tensor_index import FileInfo, read_raw_header, safetensors_files
 from cache.errors import CheckpointError
-from cache.processing import LAYOUT_VERSION, MERGES, LinearRecipe, select_kernel
+from cache.processors import processor_id
+from cache.processors.native import LAYOUT_VERSION, MERGES, LinearRecipe, select_kernel
 
 WEIGHT_LAYOUT = "NK"  # weights stay [out, in] (block FP8 untransposed); scales as compressed-tensors stores them
 
 
-def cache_key(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> str:
-    """sha256 over checkpoint identity + processing recipe + layout version (hex, 64 chars)."""
-    return _key(ckpt.config, ckpt.files, ckpt.schemes, device, dtype)
+def cache_key(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, backend: str = "native") -> str:
+    """sha256 over checkpoint identity + processor + processing recipe + layout version (hex, 64 chars)."""
+    return _key(ckpt.config, ckpt.files, ckpt.schemes, device, dtype, backend)
 
 
-def expected_key(path: Path, device: torch.device, dtype: torch.dtype) -> str:
+def expected_key(path: Path, device: torch.device, dtype: torch.dtype, backend: str = "native") -> str:
     """The same key from metadata alone (config.json, raw safetensors headers, file stats): what an
     engine computes before attaching, in a few milliseconds, without validating or reading tensors."""
     try:
@@ -44,25 +45,29 @@ def expected_key(path: Path, device: torch.device, dtype: torch.dtype) -> str:
         raise CheckpointError(f"cannot read config.json: {exc}", path=str(path)) from None
     schemes = parse_schemes(config.get("quantization_config"), ModelLayout.from_config(config).linears)
     files = [read_raw_header(f) for f in safetensors_files(path)]
-    return _key(config, files, schemes, device, dtype)
+    return _key(config, files, schemes, device, dtype, backend)
 
 
 def _key(config: dict[str, Any], files: list[FileInfo], schemes: dict[str, LinearScheme], device: torch.device,
-         dtype: torch.dtype) -> str:  # fmt: skip
+         dtype: torch.dtype, backend: str) -> str:  # fmt: skip
     h = hashlib.sha256()
 
     def add(label: str, value: Any) -> None:
         h.update(f"{label}={json.dumps(value, sort_keys=True, default=str)}\n".encode())
 
     add("layout_version", LAYOUT_VERSION)
-    add("merges", MERGES)
+    add("processor", processor_id(backend))
     add("config", config)
     for f in files:
         add("file", [f.path.name, f.size, f.path.stat().st_mtime_ns])
         h.update(hashlib.sha256(f.header).digest())
     add("device", device.type)
     add("dtype", str(dtype))
-    add("recipe", {m: [s.weight.value, s.activations.value, select_kernel(s, device)] for m, s in schemes.items()})
+    if backend == "native":  # vLLM picks its own kernels: its version, in the processor id, stands for them
+        add("merges", MERGES)
+        add("recipe", {m: [s.weight.value, s.activations.value, select_kernel(s, device)] for m, s in schemes.items()})
+    else:
+        add("schemes", {m: [s.weight.value, s.activations.value] for m, s in schemes.items()})
     return h.hexdigest()
 
 
@@ -83,7 +88,9 @@ class Manifest:
     config: dict[str, Any]  # the checkpoint's config.json
     arenas: list[ArenaInfo]
     tensors: list[TensorEntry]
-    layers: dict[str, dict[str, Any]]  # Linear module -> recipe + block size + weight layout
+    layers: dict[str, dict[str, Any]]  # native: Linear module -> recipe + block size + weight layout
+    backend: str = "native"  # whose processor laid the tensors out
+    state: dict[str, Any] = field(default_factory=dict)  # what that backend's binding needs beyond tensors
 
     @property
     def nbytes(self) -> int:
@@ -118,6 +125,8 @@ class Manifest:
             arenas=[ArenaInfo(**a) for a in data["arenas"]],
             tensors=[_entry(t) for t in data["tensors"]],
             layers=data["layers"],
+            backend=data.get("backend", "native"),
+            state=data.get("state", {}),
         )
 
 

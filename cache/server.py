@@ -140,7 +140,8 @@ class CacheServer:
                 send_message(conn, error_reply("VersionMismatch", reason))
                 return
             send_message(conn, {"ok": True, "protocol": PROTOCOL_VERSION, "key": manifest.key, "pid": os.getpid(),
-                                "model": manifest.model, "device": manifest.device})  # fmt: skip
+                                "model": manifest.model, "device": manifest.device,
+                                "backend": manifest.backend})  # fmt: skip
         elif isinstance(request, GetManifest):
             send_json(conn, b'{"ok":true,"manifest":' + self._manifest_json + b"}")
         elif isinstance(request, Attach):
@@ -202,11 +203,12 @@ def _lingering_close(conn: socket.socket, limit: int = 1 << 20) -> None:
             received += len(data)
 
 
-def main(model: Path, socket_path: Path, device: str = "cpu", dtype: str = "auto") -> int:
+def main(model: Path, socket_path: Path, device: str = "cpu", dtype: str = "auto", backend: str = "native") -> int:
     """Run the cache process until SIGTERM/SIGINT. Checkpoint errors propagate before the socket exists."""
     started = time.perf_counter()
     events.configure_logging()
-    events.log_event(log, "startup", phase="begin", model=model, socket=socket_path, device=device, pid=os.getpid())
+    events.log_event(log, "startup", phase="begin", model=model, socket=socket_path, device=device, backend=backend,
+                     pid=os.getpid())  # fmt: skip
     stop = threading.Event()
     server: CacheServer | None = None
 
@@ -224,14 +226,14 @@ def main(model: Path, socket_path: Path, device: str = "cpu", dtype: str = "auto
     import torch
 
     from cache.loader import load_cache
-    from cache.processing import resolve_device
+    from cache.processors.native import resolve_device
 
     events.log_event(log, "startup", phase="import", seconds=time.perf_counter() - t)
     t = time.perf_counter()
     target = resolve_device(device)
     if target.type == "cuda":
         torch.cuda.set_device(target)
-    cache = load_cache(model, target, dtype)
+    cache = load_cache(model, target, dtype, backend)
     events.log_event(log, "startup", phase="load", seconds=time.perf_counter() - t, **cache.phases)
     if stop.is_set():
         events.log_event(log, "exit", reason="signal during start-up")

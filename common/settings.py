@@ -15,8 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field
 class EngineSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    # native: warmgate's own engine; vllm: vLLM's engine on the same cache (pip install 'warmgate[vllm]').
+    backend: Literal["native", "vllm"] = "native"
     device: str = "cpu"  # cpu, cuda, cuda:1
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: fp32 on CPU, bf16 on CUDA
+    # auto: native fp32 on CPU and bf16 on CUDA; vllm bf16 everywhere (its CPU kernels are bf16 kernels)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_num_seqs: Annotated[int, Field(ge=1)] = 16
     max_model_len: Annotated[int | None, Field(ge=16)] = None  # default: min(model's context, 4096)
     kv_cache_bytes: Annotated[int | None, Field(ge=1)] = None  # cap on KV memory; fewer sequences fit if it binds

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from cache.checkpoint.schemes import FP8_BLOCK, FP8_MAX
-from cache.processing import DENSE, FP8_BLOCK_SCALED_MM, FP8_DEQUANT, FP8_ROWWISE_SCALED_MM, LinearRecipe
+from cache.processors.native import DENSE, FP8_BLOCK_SCALED_MM, FP8_DEQUANT, FP8_ROWWISE_SCALED_MM, LinearRecipe
 
 FP8 = torch.float8_e4m3fn
 Tensors = dict[str, torch.Tensor]

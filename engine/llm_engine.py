@@ -9,94 +9,31 @@ the thread that feeds the GPU does no text work and wakes the loop once per step
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from cache.arena import preload_transport
 from cache.events import log_event
-from cache.processing import compute_dtype, resolve_device
+from cache.processors.native import compute_dtype, resolve_device
 from engine.config import EngineConfig
 from engine.kv_cache import BlockAllocator, KVCache, KVCacheSpec
 from engine.model import ModelArgs, Transformer
 from engine.model_runner import ModelRunner
+from engine.request_stream import Outbox, RequestStream, TokenEvent
 from engine.sampler import sample, skip_draws
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, Sequence
-from engine.weights import LoadedWeights, WeightSource, weight_source
+from engine.tokenizer import model_eos_ids
+from engine.weights import LoadedWeights, WeightOrigin, WeightSource, weight_source
 
 log = logging.getLogger("warmgate.engine")
 DEFAULT_MAX_MODEL_LEN = 4096
 STATS_INTERVAL = 10.0  # seconds between engine_stats log lines
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    """One step of a request: a new token, and/or the reason it finished."""
-
-    token_id: int | None  # None only on a final event that carries no token (abort, error)
-    finish_reason: str | None = None  # "stop" (eos / stop token), "length", "abort", "error"
-    error: str | None = None
-
-
-class RequestStream:
-    """A submitted request; iterate it (async) to receive its TokenEvents until one has finish_reason."""
-
-    def __init__(self, request_id: str, prompt_tokens: int, loop: asyncio.AbstractEventLoop, outbox: Outbox) -> None:
-        self.request_id = request_id
-        self.prompt_tokens = prompt_tokens
-        self.loop = loop
-        self.queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
-        self._outbox = outbox
-        self.cancelled = False
-
-    def push(self, event: TokenEvent) -> None:
-        """Called from the engine thread: delivered with the rest of the step's events."""
-        self._outbox.add(self, event)
-
-    def cancel(self) -> None:
-        """Stop generating (client went away, stop string hit); the stream ends with 'abort'."""
-        self.cancelled = True
-
-    async def __aiter__(self) -> AsyncIterator[TokenEvent]:
-        while True:
-            event = await self.queue.get()
-            yield event
-            if event.finish_reason is not None:
-                return
-
-
-class Outbox:
-    """Token events of one step, handed to each event loop in one call (not one wake-up per token)."""
-
-    def __init__(self) -> None:
-        self._events: list[tuple[RequestStream, TokenEvent]] = []
-
-    def add(self, stream: RequestStream, event: TokenEvent) -> None:
-        self._events.append((stream, event))
-
-    def flush(self) -> None:
-        if not self._events:
-            return
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, TokenEvent]]] = {}
-        for stream, event in self._events:
-            by_loop.setdefault(stream.loop, []).append((stream, event))
-        self._events = []
-        for loop, events in by_loop.items():
-            loop.call_soon_threadsafe(_deliver, events)
-
-
-def _deliver(events: list[tuple[RequestStream, TokenEvent]]) -> None:
-    for stream, event in events:
-        stream.queue.put_nowait(event)
 
 
 class LLMEngine:
@@ -128,7 +65,7 @@ class LLMEngine:
             self.args = ModelArgs.from_config(loaded.config)
             self.model = Transformer(self.args, loaded.weights)
         self.max_model_len = min(config.max_model_len or DEFAULT_MAX_MODEL_LEN, self.args.max_position_embeddings)
-        self.eos_token_ids = _eos_ids(loaded.config, config.model)
+        self.eos_token_ids = model_eos_ids(loaded.config, config.model)
         with self._phase("kv_alloc"):
             spec = KVCacheSpec.plan(self.args.shape, self.dtype, config.max_num_seqs, self.max_model_len,
                                     config.kv_cache_bytes, config.block_size)  # fmt: skip
@@ -190,6 +127,22 @@ class LLMEngine:
     def device_memory_bytes(self) -> int:
         """Device memory this engine's allocator holds (KV cache, activations, graph pools); 0 on CPU."""
         return int(torch.cuda.memory_reserved(self.device)) if self.device.type == "cuda" else 0
+
+    @property
+    def weight_origin(self) -> WeightOrigin:
+        return self.weights.origin
+
+    @property
+    def vocab_size(self) -> int:
+        return self.args.shape.vocab
+
+    @property
+    def kv_blocks_free(self) -> int:
+        return len(self.scheduler.allocator.free)
+
+    @property
+    def kv_blocks_total(self) -> int:
+        return self.kv.spec.blocks - 1  # block 0 is the padding block
 
     @property
     def num_preemptions(self) -> int:
@@ -355,20 +308,3 @@ class _Timer:
 def _collect(out: list[int], event: TokenEvent) -> None:
     if event.token_id is not None:
         out.append(event.token_id)
-
-
-def _eos_ids(config: dict[str, Any], model_dir: Path) -> list[int]:
-    """eos ids from config.json and generation_config.json (either may hold an int or a list)."""
-    ids: list[int] = []
-    sources = [config]
-    gen = model_dir / "generation_config.json"
-    if gen.is_file():
-        sources.append(json.loads(gen.read_text()))
-    for src in sources:
-        value = src.get("eos_token_id")
-        for token in value if isinstance(value, list) else [value]:
-            if isinstance(token, int) and token not in ids:
-                ids.append(token)
-    if not ids:
-        raise ValueError(f"{model_dir}: no eos_token_id in config.json or generation_config.json")
-    return ids

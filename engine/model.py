@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from cache.checkpoint.architecture import ModelShape
-from cache.processing import LinearRecipe, ProcessedWeights
+from cache.processors.native import LinearRecipe, ProcessedWeights
 from engine.attention import StepBatch, paged_attention
 from engine.kernels import Kernel, kernel_for
 from engine.kv_cache import KVCache

@@ -22,7 +22,7 @@ from engine.kv_cache import BlockAllocator
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.llm_engine import TokenEvent
+    from engine.request_stream import TokenEvent
 
 
 @dataclass(eq=False)  # identity: the scheduler looks sequences up in its lists every step

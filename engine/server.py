@@ -14,7 +14,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -55,11 +55,56 @@ from engine.protocol import (
 from engine.tokenizer import ChatTemplateError, ChatTokenizer
 
 if TYPE_CHECKING:
-    from engine.llm_engine import LLMEngine, RequestStream
+    from engine.config import EngineConfig
+    from engine.request_stream import RequestStream
+    from engine.sampling_params import SamplingParams
+    from engine.weights import WeightOrigin
 
 log = logging.getLogger("warmgate.engine.server")
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+class ServingEngine(Protocol):
+    """What the HTTP API needs of an engine, whatever its backend (engine/llm_engine.py, engine/vllm/engine.py)."""
+
+    config: EngineConfig
+    max_model_len: int
+    eos_token_ids: list[int]
+    startup_phases: dict[str, float]
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+               output_ids: list[int] | None = None) -> RequestStream: ...  # fmt: skip
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def device_memory_bytes(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...  # the model's (its outputs may lie beyond the tokenizer's vocabulary)
+
+    @property
+    def weight_origin(self) -> WeightOrigin: ...
+
+    @property
+    def alive(self) -> bool: ...
+
+    @property
+    def num_running(self) -> int: ...
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    @property
+    def num_preemptions(self) -> int: ...
+
+    @property
+    def kv_blocks_free(self) -> int: ...
+
+    @property
+    def kv_blocks_total(self) -> int: ...
 
 
 class ApiError(Exception):
@@ -273,7 +318,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 class EngineAPI:
     """What the routes do: admission, prompt checks, submission to the engine, responses and streams."""
 
-    def __init__(self, engine: LLMEngine, tokenizer: ChatTokenizer) -> None:
+    def __init__(self, engine: ServingEngine, tokenizer: ChatTokenizer) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.admission = Admission()
@@ -392,7 +437,7 @@ class EngineAPI:
         return ids
 
     def _resumed_prompt(self, resume: Resume) -> list[int]:
-        vocab = self.engine.args.shape.vocab  # the model's: its outputs may lie beyond the tokenizer's vocabulary
+        vocab = self.engine.vocab_size  # the model's: its outputs may lie beyond the tokenizer's vocabulary
         bad = [i for i in [*resume.prompt_ids, *resume.output_ids] if not 0 <= i < vocab]
         if bad:
             raise ApiError(400, f"resumed token ids out of range [0, {vocab}): {bad[:5]}", param="warmgate_resume")
@@ -516,7 +561,7 @@ def _private_memory() -> int:
     return 0
 
 
-def create_app(engine: LLMEngine, tokenizer: ChatTokenizer) -> FastAPI:
+def create_app(engine: ServingEngine, tokenizer: ChatTokenizer) -> FastAPI:
     """The FastAPI app an engine worker serves on its Unix socket; app.state.api is what the worker drains."""
     api = EngineAPI(engine, tokenizer)
     app = FastAPI(title="warmgate engine", docs_url=None, redoc_url=None)
@@ -546,14 +591,14 @@ def create_app(engine: LLMEngine, tokenizer: ChatTokenizer) -> FastAPI:
         log.exception("event=request_failed error=%s", type(exc).__name__)
         return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
 
-    loaded = engine.weights
+    origin = engine.weight_origin
     weights_info = WeightsInfo(
-        source=loaded.source,  # type: ignore[arg-type]
-        key=loaded.key,
-        lease=loaded.attachment.lease if loaded.attachment else None,
-        fallbacks=int(loaded.fallback_reason is not None),
-        fallback_reason=loaded.fallback_reason,
-        attach_phases=loaded.phases,
+        source=origin.source,  # type: ignore[arg-type]
+        key=origin.key,
+        lease=origin.lease,
+        fallbacks=int(origin.fallback_reason is not None),
+        fallback_reason=origin.fallback_reason,
+        attach_phases=origin.phases,
     )
 
     @app.get("/health")
@@ -568,8 +613,8 @@ def create_app(engine: LLMEngine, tokenizer: ChatTokenizer) -> FastAPI:
             waiting=engine.num_waiting,
             in_flight=api.admission.in_flight,
             preemptions=engine.num_preemptions,
-            kv_blocks_free=len(engine.scheduler.allocator.free),
-            kv_blocks_total=engine.kv.spec.blocks - 1,
+            kv_blocks_free=engine.kv_blocks_free,
+            kv_blocks_total=engine.kv_blocks_total,
             device_memory_bytes=engine.device_memory_bytes(),
             private_memory_bytes=_private_memory(),
             weights=weights_info,

@@ -177,3 +177,20 @@ def _read_json(path: Path) -> dict[str, Any]:
         return {}
     data = json.loads(path.read_text())
     return data if isinstance(data, dict) else {}
+
+
+def model_eos_ids(config: dict[str, Any], model_dir: Path) -> list[int]:
+    """eos ids from config.json and generation_config.json (either may hold an int or a list)."""
+    ids: list[int] = []
+    sources = [config]
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        sources.append(json.loads(gen.read_text()))
+    for src in sources:
+        value = src.get("eos_token_id")
+        for token in value if isinstance(value, list) else [value]:
+            if isinstance(token, int) and token not in ids:
+                ids.append(token)
+    if not ids:
+        raise ValueError(f"{model_dir}: no eos_token_id in config.json or generation_config.json")
+    return ids

@@ -21,7 +21,7 @@ from cache.checkpoint.reader import read_checkpoint
 from cache.client import CacheClient, CacheRefused, CacheUnavailable
 from cache.events import log_event
 from cache.manifest import Manifest, expected_key
-from cache.processing import ProcessedWeights, process_checkpoint
+from cache.processors.native import ProcessedWeights, process_checkpoint
 
 log = logging.getLogger("warmgate.engine.weights")
 
@@ -40,6 +40,17 @@ class Attachment:
     manifest: Manifest
 
 
+@dataclass(frozen=True)
+class WeightOrigin:
+    """Where an engine's weights came from, as its /health reports it (every backend)."""
+
+    source: str  # "disk" or "ipc"
+    key: str | None = None
+    lease: int | None = None
+    fallback_reason: str | None = None
+    phases: dict[str, float] = field(default_factory=dict)
+
+
 @dataclass
 class LoadedWeights:
     config: dict[str, Any]  # the checkpoint's config.json
@@ -49,6 +60,11 @@ class LoadedWeights:
     attachment: Attachment | None = None
     fallback_reason: str | None = None  # ipc-or-disk: why the cache was not used
     phases: dict[str, float] = field(default_factory=dict)  # attach: key, connect, attach, map, bind (seconds)
+
+    @property
+    def origin(self) -> WeightOrigin:
+        lease = self.attachment.lease if self.attachment else None
+        return WeightOrigin(self.source, self.key, lease, self.fallback_reason, self.phases)
 
 
 class WeightSource(Protocol):
@@ -79,41 +95,54 @@ class CachedWeights:
         self.name = name or f"engine-{os.getpid()}"
 
     def load(self, device: torch.device, dtype: torch.dtype) -> LoadedWeights:
-        clock = _Clock()
-        expected = expected_key(self.path, device, dtype)
-        clock.lap("key")
-        client = CacheClient(self.socket_path, name=self.name)
-        clock.lap("connect")
+        attachment, tensors, clock = attach_cache(self.path, self.socket_path, self.name, device, dtype, "native")
         try:
-            if client.hello["key"] != expected:
-                raise WeightKeyMismatch(
-                    f"the cache on {self.socket_path} holds {client.hello.get('model')} on "
-                    f"{client.hello.get('device')} with key {client.hello['key'][:12]}, this engine expects "
-                    f"{self.path} processed for {device} {dtype} (key {expected[:12]})"
-                )
-            lease, manifest, fds = client.attach(self.name)
-            clock.lap("attach")
-            try:
-                if manifest.device != str(device):
-                    raise WeightKeyMismatch(f"the cache holds weights on {manifest.device}, the engine is on {device}")
-                arenas = [attach_arena(a.transport, fd, a.size, device)
-                          for a, fd in zip(manifest.arenas, fds, strict=True)]  # fmt: skip
-            finally:
-                for fd in fds:
-                    os.close(fd)
-            clock.lap("map")
-            tensors: dict[str, torch.Tensor] = {}
-            for index, arena in enumerate(arenas):
-                tensors.update(tensor_views(arena.buffer(), [e for e in manifest.tensors if e.arena == index]))
+            manifest = attachment.manifest
             weights = ProcessedWeights(tensors, manifest.recipes(), dtype_of(manifest.dtype), device)
             clock.lap("bind")
         except BaseException:
-            client.close()
+            attachment.client.close()
             raise
-        attachment = Attachment(client, lease, arenas, manifest)
-        log_event(log, "attach", lease=lease, bytes=manifest.nbytes, **clock.laps)
+        log_event(log, "attach", lease=attachment.lease, bytes=manifest.nbytes, **clock.laps)
         return LoadedWeights(manifest.config, weights, "ipc", key=manifest.key, attachment=attachment,
                              phases=clock.laps)  # fmt: skip
+
+
+def attach_cache(path: Path, socket_path: Path, name: str, device: torch.device, dtype: torch.dtype,
+                 backend: str) -> tuple[Attachment, dict[str, torch.Tensor], _Clock]:  # fmt: skip
+    """Check the cache's key against ``path`` processed by ``backend`` for device/dtype, take a lease, map the
+    arenas read-only: the attachment (keep it while the tensors are used) and a view of every tensor."""
+    clock = _Clock()
+    expected = expected_key(path, device, dtype, backend)
+    clock.lap("key")
+    client = CacheClient(socket_path, name=name)
+    clock.lap("connect")
+    try:
+        if client.hello["key"] != expected:
+            raise WeightKeyMismatch(
+                f"the cache on {socket_path} holds {client.hello.get('model')} for the "
+                f"{client.hello.get('backend', 'native')} backend on {client.hello.get('device')} with key "
+                f"{client.hello['key'][:12]}, this engine expects {path} processed by the {backend} backend for "
+                f"{device} {dtype} (key {expected[:12]})"
+            )
+        lease, manifest, fds = client.attach(name)
+        clock.lap("attach")
+        try:
+            if manifest.device != str(device):
+                raise WeightKeyMismatch(f"the cache holds weights on {manifest.device}, the engine is on {device}")
+            arenas = [attach_arena(a.transport, fd, a.size, device)
+                      for a, fd in zip(manifest.arenas, fds, strict=True)]  # fmt: skip
+        finally:
+            for fd in fds:
+                os.close(fd)
+        clock.lap("map")
+        tensors: dict[str, torch.Tensor] = {}
+        for index, arena in enumerate(arenas):
+            tensors.update(tensor_views(arena.buffer(), [e for e in manifest.tensors if e.arena == index]))
+    except BaseException:
+        client.close()
+        raise
+    return Attachment(client, lease, arenas, manifest), tensors, clock
 
 
 class _Clock:

@@ -25,8 +25,7 @@ if TYPE_CHECKING:
     import uvicorn
     from fastapi import FastAPI
 
-    from engine.llm_engine import LLMEngine
-    from engine.server import EngineAPI
+    from engine.server import EngineAPI, ServingEngine
 
 log = logging.getLogger("warmgate.engine.worker")
 
@@ -50,7 +49,8 @@ def _server_class() -> type[uvicorn.Server]:
     return Server
 
 
-async def _serve(app: FastAPI, api: EngineAPI, engine: LLMEngine, sock: socket.socket, drain_timeout: float) -> None:
+async def _serve(app: FastAPI, api: EngineAPI, engine: ServingEngine, sock: socket.socket,
+                 drain_timeout: float) -> None:  # fmt: skip
     import uvicorn
 
     # The socket is bound by bind_unix_socket (uvicorn's own uds binding would chmod it 0666). Requests get
@@ -88,6 +88,17 @@ async def _serve(app: FastAPI, api: EngineAPI, engine: LLMEngine, sock: socket.s
     finally:
         # Stop the engine while the loop still runs: requests it aborts are told so through this loop.
         engine.stop()
+
+
+def _build_engine(config: Any) -> ServingEngine:
+    """The engine of the configured backend; each logs its own start-up phases."""
+    if config.backend == "vllm":
+        from engine.vllm.engine import VllmEngine
+
+        return VllmEngine(config)  # phases: vllm_import, vllm_engine (weights bound from the cache), warmup
+    from engine.llm_engine import LLMEngine
+
+    return LLMEngine(config)  # phases: device_init, weight_load, model_init, kv_alloc, cuda_graphs, warmup
 
 
 SWITCH_INTERVAL = 0.0005  # seconds
@@ -133,7 +144,6 @@ def main(socket_path: str | Path, config_source: str, drain_timeout: float = DEF
     import torch
 
     torch_seconds = time.perf_counter() - t
-    from engine.llm_engine import LLMEngine
     from engine.server import create_app
     from engine.tokenizer import ChatTokenizer
 
@@ -146,7 +156,7 @@ def main(socket_path: str | Path, config_source: str, drain_timeout: float = DEF
     log_event("startup", phase="tokenizer", seconds=time.perf_counter() - t)
 
     t = time.perf_counter()
-    engine = LLMEngine(config)  # logs its own phases: device_init, weight_load, model_init, kv_alloc, warmup
+    engine = _build_engine(config)
     log_event("startup", phase="engine", seconds=time.perf_counter() - t, model=config.name, device=config.device)
 
     if stop_requested:

@@ -18,7 +18,7 @@ import pytest
 from cache.client import CacheClient, CacheUnavailable
 
 REPO = Path(__file__).resolve().parents[1]
-START_DEADLINE = 120.0  # seconds; start-up takes a few seconds here, a cold page cache more
+START_DEADLINE = 240.0  # seconds; start-up takes seconds here (a vLLM engine 20-80 s on 2 busy cores)
 MAX_MODEL_LEN = 1024  # small KV cache: a faster start, and a prompt that is too long stays cheap to build
 
 
@@ -54,7 +54,19 @@ class Worker(Process):
         return httpx.AsyncClient(transport=transport, base_url="http://engine", timeout=timeout)
 
     def sync_client(self) -> httpx.Client:
-        return httpx.Client(transport=httpx.HTTPTransport(uds=str(self.socket)), base_url="http://engine", timeout=60)
+        return httpx.Client(transport=httpx.HTTPTransport(uds=str(self.socket)), base_url="http://engine", timeout=300)
+
+    def wait_ready(self) -> None:
+        """Wait until /health answers 200 (fails the test if the worker dies or the deadline passes)."""
+
+        def healthy() -> bool:
+            try:
+                with self.sync_client() as client:
+                    return client.get("/health").status_code == 200
+            except httpx.TransportError:
+                return False
+
+        _wait(self, healthy, "engine worker")
 
 
 def _spawn(args: list[str], log_path: Path) -> subprocess.Popen[bytes]:
@@ -80,39 +92,44 @@ def _wait(process: Process, ready: Any, what: str) -> None:
 
 def start_worker(directory: Path, model: Path, name: str = "engine", **config: Any) -> Worker:
     """Start `warmgate engine` and wait until /health answers."""
+    worker = launch_worker(directory, model, name, **config)
+    worker.wait_ready()
+    return worker
+
+
+def launch_worker(directory: Path, model: Path, name: str = "engine", **config: Any) -> Worker:
+    """Start `warmgate engine` without waiting (start several at once, then ``wait_ready`` each)."""
     sock = directory / f"{name}.sock"
     settings = {"model": str(model), "max_num_seqs": 8, "max_model_len": MAX_MODEL_LEN, **config}
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in settings.items()}
     proc = _spawn(["engine", "--socket", str(sock), "--config", json.dumps(settings)], directory / f"{name}.log")
-    worker = Worker(proc, sock, directory / f"{name}.log")
-
-    def healthy() -> bool:
-        try:
-            with worker.sync_client() as client:
-                return client.get("/health").status_code == 200
-        except httpx.TransportError:
-            return False
-
-    _wait(worker, healthy, "engine worker")
-    return worker
+    return Worker(proc, sock, directory / f"{name}.log")
 
 
-def start_cache(directory: Path, model: Path, device: str = "cpu") -> Process:
+def start_cache(directory: Path, model: Path, device: str = "cpu", backend: str = "native") -> Process:
     """Start `warmgate cache` (socket in a private run dir under ``directory``) and wait until it answers."""
+    cache = launch_cache(directory, model, device, backend)
+    wait_cache(cache)
+    return cache
+
+
+def launch_cache(directory: Path, model: Path, device: str = "cpu", backend: str = "native") -> Process:
+    """Start `warmgate cache` without waiting for it (``wait_cache``)."""
     sock = directory / "run" / "cache.sock"
     log_path = directory / "cache.log"
-    cache = Process(_spawn(["cache", "--model", str(model), "--socket", str(sock), "--device", device], log_path),
-                    sock, log_path)  # fmt: skip
+    args = ["cache", "--model", str(model), "--socket", str(sock), "--device", device, "--backend", backend]
+    return Process(_spawn(args, log_path), sock, log_path)
 
+
+def wait_cache(cache: Process) -> None:
     def answers() -> bool:
         try:
-            CacheClient(sock).close()
+            CacheClient(cache.socket).close()
             return True
         except CacheUnavailable:
             return False
 
     _wait(cache, answers, "cache process")
-    return cache
 
 
 def proc_status(pid: int) -> dict[str, int]:
@@ -199,3 +216,25 @@ def start_gateway(root: Path, config_text: str, env: dict[str, str] | None = Non
         time.sleep(0.2)
     proc.kill()
     pytest.fail(f"gateway not ready:\n{log_path.read_text()}")
+
+
+PROMPTS = ["The capital of France is", "Write a haiku about the sea."]
+
+
+def generate(worker: Worker, prompts: list[str] = PROMPTS, tokens: int = 16) -> list[tuple[str, int]]:
+    """Greedy completions (``tokens`` each) through the worker's OpenAI API: (text, completion tokens)."""
+    out = []
+    with worker.sync_client() as client:
+        for prompt in prompts:
+            body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
+            response = client.post("/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+            data = response.json()
+            out.append((data["choices"][0]["text"], data["usage"]["completion_tokens"]))
+    assert all(n == tokens for _, n in out)
+    return out
+
+
+def health(worker: Worker) -> dict[str, Any]:
+    with worker.sync_client() as client:
+        return client.get("/health").json()  # type: ignore[no-any-return]

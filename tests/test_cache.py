@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 import torch
-from processes import REPO, Process, Worker, memfd_arenas, proc_status, start_cache, start_worker
+from processes import REPO, Process, Worker, generate, health, memfd_arenas, proc_status, start_cache, start_worker
 from safetensors.torch import load_file, save_file
 
 from cache.arena import attach_arena, tensor_views
@@ -34,28 +34,7 @@ from cache.checkpoint.reader import read_checkpoint
 from cache.checkpoint.synth import synth_checkpoint
 from cache.client import CacheClient, CacheRefused, CacheUnavailable
 from cache.manifest import cache_key, expected_key
-from cache.processing import FP8_DEQUANT, process_checkpoint
-
-PROMPTS = ["The capital of France is", "Write a haiku about the sea."]
-
-
-def generate(worker: Worker) -> list[tuple[str, int]]:
-    """2 prompts x 16 greedy tokens through the worker's OpenAI API: (text, completion tokens)."""
-    out = []
-    with worker.sync_client() as client:
-        for prompt in PROMPTS:
-            body = {"prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
-            response = client.post("/v1/completions", json=body)
-            assert response.status_code == 200, response.text
-            data = response.json()
-            out.append((data["choices"][0]["text"], data["usage"]["completion_tokens"]))
-    assert all(tokens == 16 for _, tokens in out)
-    return out
-
-
-def health(worker: Worker) -> dict[str, Any]:
-    with worker.sync_client() as client:
-        return client.get("/health").json()  # type: ignore[no-any-return]
+from cache.processors.native import FP8_DEQUANT, process_checkpoint
 
 
 def wait_for(predicate: Any, timeout: float = 10.0) -> bool:

@@ -9,7 +9,7 @@ import torch
 
 from cache.checkpoint.reader import read_checkpoint
 from cache.checkpoint.synth import SHAPES, synth_checkpoint
-from cache.processing import FP8_DEQUANT, LinearRecipe
+from cache.processors.native import FP8_DEQUANT, LinearRecipe
 from engine.config import EngineConfig
 from engine.kernels import UnknownKernel, kernel_for
 from engine.kv_cache import BlockAllocator, KVCache, KVCacheSpec
@@ -160,13 +160,13 @@ def _generate_each(engine: LLMEngine, ids: list[list[int]], params: list[Samplin
 
 
 def test_stops_on_eos_and_max_tokens(demo_path, tokenizer) -> None:
-    from engine.llm_engine import _eos_ids
+    from engine.tokenizer import model_eos_ids
 
     engine = _engine(demo_path("bf16"))
     chat = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
     out = engine.generate([tokenizer.encode(chat).ids], SamplingParams(max_tokens=64, temperature=0))[0]
     assert out[-1] == 2 and 2 not in out[:-1] and len(out) < 64
-    assert _eos_ids({"eos_token_id": [2, 7]}, Path("/nonexistent")) == [2, 7]
+    assert model_eos_ids({"eos_token_id": [2, 7]}, Path("/nonexistent")) == [2, 7]
     short = engine.generate([tokenizer.encode(chat).ids], SamplingParams(max_tokens=3, temperature=0))[0]
     assert short == out[:3]
 

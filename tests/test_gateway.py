@@ -31,10 +31,12 @@ class Gateway(processes.Gateway):
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, timeout=120, max_retries=0)
 
 
-def write_config(path: Path, model: Path, max_num_seqs: int = 8, default_max_tokens: int = 256) -> None:
+def write_config(path: Path, model: Path, max_num_seqs: int = 8, default_max_tokens: int = 256,
+                 dtype: str = "auto") -> None:  # fmt: skip
     path.write_text(
         f'model = "{model}"\nserved_model_name = "{MODEL_NAME}"\n\n'
-        f"[engine]\nmax_num_seqs = {max_num_seqs}\nmax_model_len = 512\ndefault_max_tokens = {default_max_tokens}\n\n"
+        f"[engine]\nmax_num_seqs = {max_num_seqs}\nmax_model_len = 512\ndefault_max_tokens = {default_max_tokens}\n"
+        f'dtype = "{dtype}"\n\n'
         '[restart]\nstrategy = "overlap"\ndrain_timeout = 30\nqueue_timeout = 120\n\n'
         f'[gateway]\napi_keys = ["{API_KEY}"]\n'
     )
@@ -435,6 +437,8 @@ def test_a_failed_start_leaves_the_engine_serving_and_sighup_reloads(gateway: Ga
     assert bad.status_code == 400 and "sideways" in bad.json()["error"]["message"]
     typo = gateway.admin("POST", "/admin/restart", json={"engine": {"max_num_seq": 4}})
     assert typo.status_code == 400 and "max_num_seq: Extra inputs" in typo.json()["error"]["message"], typo.text
+    keyed = gateway.admin("POST", "/admin/restart", json={"engine": {"dtype": "bfloat16"}})  # other cached weights
+    assert keyed.status_code == 400 and "dtype needs other cached weights" in keyed.json()["error"]["message"]
 
     # SIGHUP re-reads the file: a new default max_tokens shows in behaviour, not only in status.
     write_config(gateway.config, model, max_num_seqs=4, default_max_tokens=3)
@@ -494,3 +498,15 @@ def test_a_reload_that_changes_the_model_loads_it_in_a_new_cache_then_swaps(gate
         model=MODEL_NAME, messages=[{"role": "user", "content": "What is the capital of France?"}], temperature=0
     )
     assert "Paris" in (answer.choices[0].message.content or "")
+
+    # Same model, another dtype: another cache key, so another cache; the replaced one stops.
+    write_config(gateway.config, other, max_num_seqs=4, dtype="bfloat16")
+    reload = gateway.admin("POST", "/admin/reload")
+    assert reload.status_code == 200 and reload.json()["changed"] == "cache" and reload.json()["ok"], reload.text
+    assert reload.json()["weight_source"] == "ipc"
+    newest = gateway.admin("GET", "/admin/status").json()
+    assert newest["cache"]["key"] not in (old["cache"]["key"], new["cache"]["key"])
+    with pytest.raises(ProcessLookupError):
+        for _ in range(100):
+            os.kill(new["cache"]["pid"], 0)
+            time.sleep(0.1)

@@ -10,7 +10,7 @@ import torch
 from cache.checkpoint.fp8 import dequantize_weight, quantize_weight
 from cache.checkpoint.schemes import Activations, LinearScheme, WeightKind
 from cache.checkpoint.synth import synth_checkpoint
-from cache.processing import FP8_BLOCK_SCALED_MM, process_linear, select_kernel
+from cache.processors.native import FP8_BLOCK_SCALED_MM, process_linear, select_kernel
 
 pytestmark = pytest.mark.gpu
 BLOCK = LinearScheme(WeightKind.FP8_BLOCK, Activations.DYNAMIC_GROUP)
@@ -104,7 +104,7 @@ def test_fused_silu_mul_and_strided_rope() -> None:
 
 @pytest.mark.parametrize("kind", [WeightKind.FP8_CHANNEL, WeightKind.FP8_TENSOR])
 def test_rowwise_fp8_kernel_matches_dequantized_reference_for_every_m(kind: WeightKind) -> None:
-    from cache.processing import FP8_ROWWISE_SCALED_MM
+    from cache.processors.native import FP8_ROWWISE_SCALED_MM
     from engine.kernels import fp8_rowwise_scaled_mm, quantize_per_token
 
     dev = torch.device("cuda")

@@ -1,0 +1,257 @@
+"""vLLM's engine behind warmgate's engine API: the same RequestStreams, on the same HTTP server, as the native one.
+
+vLLM runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the worker is the engine, so the
+gateway's liveness checks, drains and kills reach it directly, and one process holds the cache's lease.
+A thread steps vLLM's ``LLMEngine`` and hands each step's tokens to the server's loop, as the native
+engine's scheduler thread does. vLLM sees token ids only (``skip_tokenizer_init``): warmgate's tokenizer,
+chat template, stop strings and internal stream (token ids for resume) are the native engine's.
+
+Resume: a request resumed from another engine is submitted as prompt + the tokens already generated,
+with the rest of its max_tokens. Greedy requests continue exactly; vLLM has no way to skip a seeded
+sampler's draws, so a seeded sampled request continues from a fresh draw of the same seed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from cache.events import log_event
+from cache.processors import compute_dtype
+from cache.processors.native import resolve_device
+from cache.processors.vllm import LOAD_FORMAT, engine_args
+from engine.config import EngineConfig
+from engine.request_stream import Outbox, RequestStream, TokenEvent
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import model_eos_ids
+from engine.weights import WeightOrigin
+
+log = logging.getLogger("warmgate.engine.vllm")
+
+DEFAULT_MAX_MODEL_LEN = 4096
+CPU_KV_CACHE_BYTES = 1 << 30  # vLLM on CPU needs an explicit KV size; the gateway's kv_cache_bytes overrides it
+FINISH = {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}
+
+
+@dataclass
+class _Pending:
+    stream: RequestStream
+    prompt: list[int]
+    params: Any  # vllm.SamplingParams
+
+
+class VllmEngine:
+    """Build vLLM's engine (blocking; its weights through the warmgate load format), then ``start()``."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        self.config = config
+        self.startup_phases: dict[str, float] = {}
+        t = time.perf_counter()
+        from vllm import SamplingParams as VllmSamplingParams
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        import engine.vllm.loader  # noqa: F401  (registers the load format in this process)
+
+        self._sampling, self._prompt, self._delta = VllmSamplingParams, TokensPrompt, RequestOutputKind.DELTA
+        self.startup_phases["vllm_import"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        self.device = resolve_device(config.device)
+        dtype = compute_dtype(self.device, config.dtype, "vllm")
+        model_config = json.loads((config.model / "config.json").read_text())
+        self.vocab_size = int(model_config["vocab_size"])
+        self.max_model_len = min(config.max_model_len or DEFAULT_MAX_MODEL_LEN,
+                                 int(model_config.get("max_position_embeddings", DEFAULT_MAX_MODEL_LEN)))  # fmt: skip
+        self.eos_token_ids = model_eos_ids(model_config, config.model)
+        kv_bytes = config.kv_cache_bytes or (CPU_KV_CACHE_BYTES if self.device.type == "cpu" else None)
+        args = engine_args(
+            config.model, self.device, dtype,
+            max_model_len=self.max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=max(config.max_num_batched_tokens, self.max_model_len),
+            load_format=LOAD_FORMAT,
+            model_loader_extra_config={"cache_socket": str(config.cache_socket or ""), "weights": config.weights,
+                                       "engine_name": f"vllm-engine-{os.getpid()}"},
+            disable_log_stats=True,
+            **({"kv_cache_memory_bytes": kv_bytes} if kv_bytes else {}),
+            **({"enforce_eager": True} if not config.cuda_graphs else {}),
+        )  # fmt: skip
+        self.llm = LLMEngine.from_engine_args(EngineArgs(**args))
+        self.startup_phases["vllm_engine"] = time.perf_counter() - t
+        origin = self.llm.apply_model(lambda model: model.warmgate_origin)[0]
+        self._origin: WeightOrigin = origin
+
+        self._outbox = Outbox()
+        self._streams: dict[str, RequestStream] = {}
+        self._inbox: list[_Pending] = []
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        t = time.perf_counter()
+        self._warm_up()
+        self.startup_phases["warmup"] = time.perf_counter() - t
+        log_event(log, "vllm_engine", source=origin.source, kv_cache_bytes=kv_bytes, **self.startup_phases)
+
+    def _warm_up(self) -> None:
+        """One short request through vLLM before the worker reports ready (first-step costs are paid here)."""
+        params = self._sampling(max_tokens=2, temperature=0, ignore_eos=True, detokenize=False)
+        self.llm.add_request("warmup", self._prompt(prompt_token_ids=[self.eos_token_ids[0]] * 4), params)
+        while self.llm.has_unfinished_requests():
+            self.llm.step()
+
+    # -- the engine API (engine/server.py's ServingEngine) ---------------------------------
+
+    @property
+    def weight_origin(self) -> WeightOrigin:
+        return self._origin
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+               output_ids: list[int] | None = None) -> RequestStream:  # fmt: skip
+        """Queue a request (on the loop that iterates the stream); ``output_ids``: a resume, see the module doc."""
+        import asyncio
+
+        output = list(output_ids or [])
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(output) >= params.max_tokens:
+            raise ValueError(f"the request already has {len(output)} of its {params.max_tokens} tokens")
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                             f"max_model_len ({self.max_model_len})")  # fmt: skip
+        stop_ids = [*params.stop_token_ids, *([] if params.ignore_eos else self.eos_token_ids)]
+        vllm_params = self._sampling(
+            max_tokens=params.max_tokens - len(output), temperature=params.temperature, top_p=params.top_p,
+            top_k=params.top_k, seed=params.seed, presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty, stop_token_ids=stop_ids, ignore_eos=params.ignore_eos,
+            detokenize=False, output_kind=self._delta,
+        )  # fmt: skip
+        stream = RequestStream(request_id or uuid.uuid4().hex, len(prompt_ids), asyncio.get_running_loop(),
+                               self._outbox)  # fmt: skip
+        with self._wake:
+            self._inbox.append(_Pending(stream, [*prompt_ids, *output], vllm_params))
+            self._wake.notify()
+        return stream
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="warmgate-vllm", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop stepping; unfinished requests end with 'abort'."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join()
+        for stream in [*self._streams.values(), *(p.stream for p in self._inbox)]:
+            stream.push(TokenEvent(None, "abort"))
+        self._outbox.flush()
+        self._streams.clear()
+        self._inbox.clear()
+
+    def device_memory_bytes(self) -> int:
+        import torch
+
+        return int(torch.cuda.memory_reserved(self.device)) if self.device.type == "cuda" else 0
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    @property
+    def num_running(self) -> int:
+        return len(self._streams)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._inbox)
+
+    @property
+    def num_preemptions(self) -> int:
+        return 0  # vLLM counts its preemptions in its own metrics, which this API does not relay
+
+    @property
+    def kv_blocks_free(self) -> int:
+        pool = self._block_pool()
+        return int(pool.get_num_free_blocks()) if pool is not None else 0
+
+    @property
+    def kv_blocks_total(self) -> int:
+        pool = self._block_pool()
+        return int(pool.num_gpu_blocks) if pool is not None else 0
+
+    def _block_pool(self) -> Any:
+        try:
+            return self.llm.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+        except AttributeError:  # another vLLM layout: /health reports 0 rather than failing
+            return None
+
+    # -- the stepping thread -----------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopping and not self._inbox and not self._streams:
+                    self._wake.wait()
+                if self._stopping:
+                    return
+                pending, self._inbox = self._inbox, []
+            try:
+                self._admit(pending)
+                self._abort_cancelled()
+                if self._streams:
+                    self._deliver(self.llm.step())
+            except Exception as exc:  # a failed step fails its requests, not the engine
+                log.exception("event=step_failed")
+                self._fail_all(f"{type(exc).__name__}: {exc}")
+            self._outbox.flush()
+
+    def _admit(self, pending: list[_Pending]) -> None:
+        for p in pending:
+            try:
+                self.llm.add_request(p.stream.request_id, self._prompt(prompt_token_ids=p.prompt), p.params)
+            except Exception as exc:  # vLLM refused it: that request fails, the others go on
+                p.stream.push(TokenEvent(None, "error", error=f"{type(exc).__name__}: {exc}"))
+                continue
+            self._streams[p.stream.request_id] = p.stream
+
+    def _abort_cancelled(self) -> None:
+        cancelled = [rid for rid, stream in self._streams.items() if stream.cancelled]
+        if cancelled:
+            self.llm.abort_request(cancelled)
+            for rid in cancelled:
+                self._streams.pop(rid).push(TokenEvent(None, "abort"))
+
+    def _deliver(self, outputs: list[Any]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            completion = out.outputs[0]
+            reason = FINISH.get(completion.finish_reason or "", "stop") if out.finished else None
+            ids = list(completion.token_ids)
+            for i, token in enumerate(ids):
+                stream.push(TokenEvent(token, reason if i == len(ids) - 1 else None))
+            if out.finished:
+                if not ids:
+                    stream.push(TokenEvent(None, reason))
+                del self._streams[out.request_id]
+
+    def _fail_all(self, error: str) -> None:
+        rids = list(self._streams)
+        for rid in rids:
+            self._streams.pop(rid).push(TokenEvent(None, "error", error=error))
+        try:
+            self.llm.abort_request(rids)
+        except Exception:  # the engine is already broken; its requests are failed above
+            log.exception("event=abort_failed")

