@@ -14,7 +14,8 @@ from app.terminate import terminate
 from cache.client import CacheClient, CacheRefused, CacheUnavailable
 from cache.events import log_event
 from cache.manifest import expected_key
-from cache.processing import compute_dtype, resolve_device
+from cache.processing import compute_dtype
+from common.device import resolve_device
 
 log = logging.getLogger("warmgate.gateway.cache")
 

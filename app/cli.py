@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     cache = commands.add_parser("cache", help="run the cache process: a model's processed weights, shared with engines")
     cache.add_argument("--model", type=Path, required=True, help="checkpoint directory")
     cache.add_argument("--socket", type=Path, required=True, help="Unix socket to serve on (its directory: 0700)")
-    cache.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N: where the weights are kept")
+    cache.add_argument("--device", default="auto", help="where the weights are kept: auto (cuda if torch sees a GPU, "
+                       "else cpu), cpu, cuda or cuda:N")  # fmt: skip
     cache.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                        help="compute dtype the engines will use (auto: float32 on CPU, bfloat16 on CUDA)")  # fmt: skip
     cache.set_defaults(run=_cache)

@@ -29,6 +29,7 @@ from app.gateway import GatewayState, create_gateway
 from app.metrics import GatewayMetrics
 from cache import events
 from cache.uds import private_dir
+from common.device import resolve_device
 
 log = logging.getLogger("warmgate.gateway")
 TOKEN_FILE = "admin-token"
@@ -128,6 +129,9 @@ def main(config_path: Path | None, **overrides: Any) -> int:
     settings = load_settings(config_path, **overrides)
     private_dir(settings.run_dir)
     token = admin_token(settings)
+    # "auto" (the default) is resolved by each process with the same function; logged here so nobody guesses.
+    events.log_event(log, "device", setting=settings.engine.device, engines=resolve_device(settings.engine.device),
+                     cache=resolve_device(settings.cache_device or settings.engine.device))  # fmt: skip
     model = settings.model
     if model is None:
         from cache.checkpoint.demo import build_demo

@@ -15,7 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field
 class EngineSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    device: str = "cpu"  # cpu, cuda, cuda:1
+    # auto: CUDA when torch sees a GPU, else the CPU (common/device.py); or cpu, cuda, cuda:1
+    device: Annotated[str, Field(pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: fp32 on CPU, bf16 on CUDA
     max_num_seqs: Annotated[int, Field(ge=1)] = 16
     max_model_len: Annotated[int | None, Field(ge=16)] = None  # default: min(model's context, 4096)

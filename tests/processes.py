@@ -81,7 +81,8 @@ def _wait(process: Process, ready: Any, what: str) -> None:
 def start_worker(directory: Path, model: Path, name: str = "engine", **config: Any) -> Worker:
     """Start `warmgate engine` and wait until /health answers."""
     sock = directory / f"{name}.sock"
-    settings = {"model": str(model), "max_num_seqs": 8, "max_model_len": MAX_MODEL_LEN, **config}
+    # The CPU unless a test says otherwise: the caches these tests start keep their weights on the CPU.
+    settings = {"model": str(model), "device": "cpu", "max_num_seqs": 8, "max_model_len": MAX_MODEL_LEN, **config}
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in settings.items()}
     proc = _spawn(["engine", "--socket", str(sock), "--config", json.dumps(settings)], directory / f"{name}.log")
     worker = Worker(proc, sock, directory / f"{name}.log")
