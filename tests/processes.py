@@ -146,7 +146,7 @@ class Gateway:
     proc: subprocess.Popen[bytes]
     url: str
     run_dir: Path
-    config: Path
+    config: Path | None  # the config file it was started with, if any
     log_path: Path
 
     def token(self) -> str:
@@ -188,15 +188,19 @@ def start_gateway(root: Path, config_text: str, env: dict[str, str] | None = Non
            "--run-dir", str(root / "run")]  # fmt: skip
     with log_path.open("wb") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-    gw = Gateway(proc, f"http://127.0.0.1:{port}", root / "run", config, log_path)
+    return wait_until_ready(Gateway(proc, f"http://127.0.0.1:{port}", root / "run", config, log_path))
+
+
+def wait_until_ready(gw: Gateway) -> Gateway:
+    """Poll the gateway's /ready until it answers 200; fail (with its log) if it exits or takes too long."""
     deadline = time.monotonic() + GATEWAY_START_DEADLINE
     while time.monotonic() < deadline:
-        assert proc.poll() is None, log_path.read_text()
+        assert gw.proc.poll() is None, gw.log_path.read_text()
         try:
             if httpx.get(f"{gw.url}/ready", timeout=30).status_code == 200:
                 return gw
         except httpx.TransportError:
             pass
         time.sleep(0.2)
-    proc.kill()
-    pytest.fail(f"gateway not ready:\n{log_path.read_text()}")
+    gw.proc.kill()
+    pytest.fail(f"gateway not ready:\n{gw.log_path.read_text()}")
