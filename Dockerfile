@@ -5,7 +5,10 @@
 # deploy/Dockerfile.cuda. tests/test_deploy.py runs this image's command outside Docker in CI.
 FROM python:3.11-slim
 
-RUN apt-get update && apt-get install -y --no-install-recommends make && rm -rf /var/lib/apt/lists/* \
+# make: the install steps are the Makefile's. tini runs as PID 1: it passes signals on to the gateway (a PID 1
+# ignores a signal it has no handler for: a SIGTERM during the gateway's start-up would be lost) and reaps
+# orphans (engines whose fork server died are re-parented to PID 1; the gateway would never reap them).
+RUN apt-get update && apt-get install -y --no-install-recommends make tini && rm -rf /var/lib/apt/lists/* \
  && useradd --create-home --uid 1000 warmgate
 WORKDIR /opt/warmgate
 COPY Makefile pyproject.toml README.md ./
@@ -43,5 +46,5 @@ EXPOSE 8000
 HEALTHCHECK --interval=30s --timeout=35s --start-period=600s --retries=3 \
   CMD python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:${WARMGATE_GATEWAY__PORT}/ready', timeout=30)"
 
-ENTRYPOINT ["warmgate"]
+ENTRYPOINT ["tini", "--", "warmgate"]
 CMD ["serve"]

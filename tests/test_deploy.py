@@ -103,7 +103,8 @@ def test_the_images_install_with_make_setup_run_as_a_user_and_keep_the_run_dir_o
         assert image["USER"] not in ("root", "0"), path
         assert Path(image["WARMGATE_RUN_DIR"]).parent == Path(image["VOLUME"]), path
         assert "/ready" in image["HEALTHCHECK"], path
-        assert json.loads(image["ENTRYPOINT"]) == ["warmgate"] and json.loads(image["CMD"]) == ["serve"], path
+        assert json.loads(image["ENTRYPOINT"]) == ["tini", "--", "warmgate"], path  # an init as PID 1
+        assert json.loads(image["CMD"]) == ["serve"], path
 
 
 @dataclass
@@ -122,6 +123,7 @@ def image_gateway(demo_path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     demo_path("fp8-block")  # what the image's build step made
     image = _dockerfile(REPO / "Dockerfile")
     argv = json.loads(image["ENTRYPOINT"]) + json.loads(image["CMD"])
+    argv = argv[argv.index("--") + 1 :]  # what the image's init (tini, PID 1 there, not installed here) runs
     argv[0] = shutil.which(argv[0], path=str(Path(sys.executable).parent)) or argv[0]  # the image's PATH: its venv
     root = tmp_path_factory.mktemp("image")
     volume = root / "volume"
