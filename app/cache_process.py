@@ -21,7 +21,7 @@ from cache.client import CacheClient, CacheRefused, CacheUnavailable
 from cache.events import log_event
 from cache.manifest import expected_key
 from cache.processors import compute_dtype
-from cache.processors.native import resolve_device
+from common.device import resolve_device
 
 log = logging.getLogger("warmgate.gateway.cache")
 

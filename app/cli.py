@@ -13,6 +13,10 @@ FP8_SCHEMES = SCHEMES[1:]
 SHAPES = ("smollm2-135m", "qwen3-0.6b", "llama3-8b", "llama3-70b")
 
 
+class RestartFailed(RuntimeError):
+    """The gateway reported a restart (or a reload) that failed; its report has been printed."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="warmgate", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -53,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     cache = commands.add_parser("cache", help="run the cache process: a model's processed weights, shared with engines")
     cache.add_argument("--model", type=Path, required=True, help="checkpoint directory")
     cache.add_argument("--socket", type=Path, required=True, help="Unix socket to serve on (its directory: 0700)")
-    cache.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N: where the weights are kept")
+    cache.add_argument("--device", default="auto", help="where the weights are kept: auto (cuda if torch sees a GPU, "
+                       "else cpu), cpu, cuda or cuda:N")  # fmt: skip
     cache.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                        help="the engines' compute dtype (auto: the backend's default for the device)")  # fmt: skip
     cache.add_argument("--backend", default="native", choices=("native", "vllm"),
@@ -74,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
         admin = commands.add_parser(name, help=help_text)
         admin.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway's address")
         admin.add_argument("--run-dir", type=Path, help="where to find the admin token (or WARMGATE_ADMIN_TOKEN)")
+        admin.add_argument("--json", action="store_true", help="print the JSON document instead of a summary")
         if name == "restart":
             admin.add_argument("--strategy", choices=("overlap", "replace"))
         admin.set_defaults(run=_admin, admin_command=name)
@@ -140,6 +146,7 @@ def _admin(args: argparse.Namespace) -> None:
 
     import httpx
 
+    from app.admin_text import reload_text, restart_text, status_text
     from app.config import load_settings
 
     token = os.environ.get("WARMGATE_ADMIN_TOKEN")
@@ -159,9 +166,16 @@ def _admin(args: argparse.Namespace) -> None:
             response = httpx.post(f"{url}/admin/{args.admin_command}", json=body, headers=headers, timeout=None)
     except httpx.TransportError as exc:
         raise ConnectionError(f"no gateway at {url}: {exc}") from None
-    if response.status_code >= 400 and "error" in response.text:
-        raise ValueError(f"{response.status_code}: {response.json().get('error', {}).get('message', response.text)}")
-    print(json.dumps(response.json(), indent=2))
+    try:
+        document = response.json()
+    except ValueError:
+        raise ValueError(f"{url} answered {response.status_code} without JSON: {response.text[:200]}") from None
+    if isinstance(document.get("error"), dict):  # an OpenAI-shaped refusal (bad token, invalid config, ...)
+        raise ValueError(f"{response.status_code}: {document['error'].get('message', response.text)}")
+    text = {"status": status_text, "restart": restart_text, "reload": reload_text}[args.admin_command]
+    print(json.dumps(document, indent=2) if args.json else text(document))
+    if not document.get("ok", True):  # a report of a restart that failed: printed above, and the exit status says so
+        raise RestartFailed(f"the {args.admin_command} failed: {document.get('error')}")
 
 
 def _cache(args: argparse.Namespace) -> None:
@@ -196,7 +210,8 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
     from engine.weights import WeightKeyMismatch
 
     return (CheckpointError, DemoSourceError, CacheUnavailable, CacheRefused, WeightKeyMismatch, FileExistsError,
-            FileNotFoundError, NotADirectoryError, PermissionError, ConnectionError, ValueError)  # fmt: skip
+            FileNotFoundError, NotADirectoryError, PermissionError, ConnectionError, ValueError,
+            RestartFailed)  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -55,6 +55,7 @@ class GatewayState:
     reload: Callable[[], Awaitable[dict[str, Any]]]  # admin reload -> report (raises ValueError on a bad file)
     status: Callable[[], Awaitable[dict[str, Any]]]
     waiting: int = 0
+    scrape: Callable[[], Awaitable[object]] | None = None  # refreshes gauges read elsewhere (the cache's) for /metrics
 
 
 def create_gateway(state: GatewayState) -> FastAPI:
@@ -276,6 +277,8 @@ def create_gateway(state: GatewayState) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus() -> Response:
+        if state.scrape is not None:
+            await state.scrape()
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     def admin(request: Request) -> JSONResponse | None:

@@ -45,6 +45,7 @@ class GatewayMetrics:
         self.crashes = Counter("warmgate:engine_crashes", "Engines that exited while serving", registry=r)
         self.cache_bytes = Gauge("warmgate:cache_bytes", "Bytes of processed weights held by the cache",
                                  registry=r)  # fmt: skip
+        self.cache_leases = Gauge("warmgate:cache_leases", "Engines attached to the cache's weights", registry=r)
         for state in STATES:
             self.engines.labels(state).set(0)
 
@@ -60,6 +61,10 @@ class GatewayMetrics:
     def engine_states(self, states: list[str]) -> None:
         for state in STATES:
             self.engines.labels(state).set(states.count(state))
+
+    def cache_stats(self, nbytes: int, leases: int) -> None:
+        self.cache_bytes.set(nbytes)
+        self.cache_leases.set(leases)
 
     def engine_crashed(self) -> None:
         self.crashes.inc()

@@ -29,6 +29,7 @@ from app.gateway import GatewayState, create_gateway
 from app.metrics import GatewayMetrics
 from cache import events
 from cache.uds import private_dir
+from common.device import resolve_device
 
 log = logging.getLogger("warmgate.gateway")
 TOKEN_FILE = "admin-token"
@@ -109,16 +110,21 @@ class Supervisor:
         self.manager.set_desired(r.standby, r.health_interval, r.health_timeout)
 
     async def status(self) -> dict[str, Any]:
-        """The status document; the cache is asked in a thread, so a hung cache never stalls the gateway."""
+        """The status document: the model, the cache, the engines and the last restarts."""
+        return {"model": str(self.model), "cache": await self.cache_stats(), **self.manager.status()}
+
+    async def cache_stats(self) -> dict[str, Any]:
+        """The cache's part of the status, its gauges updated on the way (status page and /metrics).
+
+        The cache is asked in a thread, so a hung cache never stalls the gateway."""
         try:
             stats = await asyncio.to_thread(self.cache.stats, CACHE_STATUS_TIMEOUT)
-            keep = ("key", "bytes", "leases", "attach_count", "pid")
-            cache = {**{k: stats[k] for k in keep}, "socket": str(self.cache.socket)}
-            self.metrics.cache_bytes.set(stats["bytes"])
-        except Exception as exc:  # the status page must answer even when the cache does not
-            cache = {"error": f"{type(exc).__name__}: {exc}", "socket": str(self.cache.socket)}
-        cache["backend"] = self.cache.spec.backend
-        return {"model": str(self.model), "cache": cache, **self.manager.status()}
+        except Exception as exc:  # the status page and /metrics must answer even when the cache does not
+            return {"error": f"{type(exc).__name__}: {exc}", "socket": str(self.cache.socket),
+                    "backend": self.cache.spec.backend}  # fmt: skip
+        self.metrics.cache_stats(stats["bytes"], len(stats["leases"]))
+        keep = ("key", "device", "bytes", "leases", "attach_count", "uptime_s", "pid")
+        return {**{k: stats[k] for k in keep}, "socket": str(self.cache.socket), "backend": self.cache.spec.backend}
 
 
 def admin_token(settings: Settings) -> str:
@@ -137,6 +143,9 @@ def main(config_path: Path | None, **overrides: Any) -> int:
     settings = load_settings(config_path, **overrides)
     private_dir(settings.run_dir)
     token = admin_token(settings)
+    # "auto" (the default) is resolved by each process with the same function; logged here so nobody guesses.
+    events.log_event(log, "device", setting=settings.engine.device, engines=resolve_device(settings.engine.device),
+                     cache=resolve_device(settings.cache_device or settings.engine.device))  # fmt: skip
     model = settings.model
     if model is None:
         from cache.checkpoint.demo import build_demo
@@ -174,7 +183,7 @@ async def _serve(settings: Settings, config_path: Path | None, overrides: dict[s
             raise RuntimeError(f"the first engine did not start: {report.error}")
         state = GatewayState(manager, metrics, settings.gateway.api_keys, token, r.queue_timeout, r.max_queue,
                              r.request_resumes, settings.gateway.max_body_bytes, supervisor.restart,
-                             supervisor.reload, supervisor.status)  # fmt: skip
+                             supervisor.reload, supervisor.status, scrape=supervisor.cache_stats)  # fmt: skip
         app = create_gateway(state)
         config = uvicorn.Config(app, host=settings.gateway.host, port=settings.gateway.port, log_config=None,
                                 log_level="warning", access_log=False, lifespan="off")  # fmt: skip

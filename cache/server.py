@@ -1,6 +1,6 @@
 """The cache process: hold one model's processed weights and hand them to engines on request.
 
-``warmgate cache --model PATH --socket PATH --device cpu|cuda[:i]`` loads, validates,
+``warmgate cache --model PATH --socket PATH --device auto|cpu|cuda[:i]`` loads, validates,
 processes and packs the checkpoint (cache/loader.py), and only then binds its socket and
 logs ``event=ready``. Each connection is served on its own thread. A lease lives as long as
 the engine's connection: an engine that exits, crashes or is killed closes it, and its
@@ -203,7 +203,7 @@ def _lingering_close(conn: socket.socket, limit: int = 1 << 20) -> None:
             received += len(data)
 
 
-def main(model: Path, socket_path: Path, device: str = "cpu", dtype: str = "auto", backend: str = "native") -> int:
+def main(model: Path, socket_path: Path, device: str = "auto", dtype: str = "auto", backend: str = "native") -> int:
     """Run the cache process until SIGTERM/SIGINT. Checkpoint errors propagate before the socket exists."""
     started = time.perf_counter()
     events.configure_logging()
@@ -226,7 +226,7 @@ def main(model: Path, socket_path: Path, device: str = "cpu", dtype: str = "auto
     import torch
 
     from cache.loader import load_cache
-    from cache.processors.native import resolve_device
+    from common.device import resolve_device
 
     events.log_event(log, "startup", phase="import", seconds=time.perf_counter() - t)
     t = time.perf_counter()

@@ -17,7 +17,8 @@ class EngineSettings(BaseModel):
 
     # native: warmgate's own engine; vllm: vLLM's engine on the same cache (pip install 'warmgate[vllm]').
     backend: Literal["native", "vllm"] = "native"
-    device: str = "cpu"  # cpu, cuda, cuda:1
+    # auto: CUDA when torch sees a GPU, else the CPU (common/device.py); or cpu, cuda, cuda:1
+    device: Annotated[str, Field(pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")] = "auto"
     # auto: native fp32 on CPU and bf16 on CUDA; vllm bf16 everywhere (its CPU kernels are bf16 kernels)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_num_seqs: Annotated[int, Field(ge=1)] = 16

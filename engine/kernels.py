@@ -1,4 +1,4 @@
-"""Linear-layer kernels, by the names weight processing records (cache/processing.py).
+"""Linear-layer kernels, by the names weight processing records (cache/processors/native.py).
 
 Each kernel takes activations [M, K] and the processed tensors of one layer and returns
 [M, N]. The engine refuses a recipe whose kernel name is not in KERNELS.

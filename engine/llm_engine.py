@@ -19,7 +19,8 @@ import torch
 
 from cache.arena import preload_transport
 from cache.events import log_event
-from cache.processors.native import compute_dtype, resolve_device
+from cache.processors.native import compute_dtype
+from common.device import resolve_device
 from engine.config import EngineConfig
 from engine.kv_cache import BlockAllocator, KVCache, KVCacheSpec
 from engine.model import ModelArgs, Transformer

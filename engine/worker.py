@@ -49,8 +49,8 @@ def _server_class() -> type[uvicorn.Server]:
     return Server
 
 
-async def _serve(app: FastAPI, api: EngineAPI, engine: ServingEngine, sock: socket.socket,
-                 drain_timeout: float) -> None:  # fmt: skip
+async def _serve(app: FastAPI, api: EngineAPI, engine: ServingEngine, sock: socket.socket, drain_timeout: float,
+                 stop_requested: list[str]) -> None:  # fmt: skip
     import uvicorn
 
     # The socket is bound by bind_unix_socket (uvicorn's own uds binding would chmod it 0666). Requests get
@@ -83,6 +83,8 @@ async def _serve(app: FastAPI, api: EngineAPI, engine: ServingEngine, sock: sock
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
+    if stop_requested:  # signalled after start-up's last check (during the warm-up): drain and exit now
+        on_signal(signal.Signals[stop_requested[0]])
     try:
         await server.serve(sockets=[sock])
     finally:
@@ -183,7 +185,7 @@ def main(socket_path: str | Path, config_source: str, drain_timeout: float = DEF
     gc.freeze()
     log_event("ready", socket=socket_path, seconds=time.perf_counter() - started, **engine.startup_phases)
     try:
-        asyncio.run(_serve(app, app.state.api, engine, sock, drain_timeout))
+        asyncio.run(_serve(app, app.state.api, engine, sock, drain_timeout, stop_requested))
     finally:
         sock.close()
         socket_path.unlink(missing_ok=True)

@@ -100,7 +100,8 @@ def start_worker(directory: Path, model: Path, name: str = "engine", **config: A
 def launch_worker(directory: Path, model: Path, name: str = "engine", **config: Any) -> Worker:
     """Start `warmgate engine` without waiting (start several at once, then ``wait_ready`` each)."""
     sock = directory / f"{name}.sock"
-    settings = {"model": str(model), "max_num_seqs": 8, "max_model_len": MAX_MODEL_LEN, **config}
+    # The CPU unless a test says otherwise: the caches these tests start keep their weights on the CPU.
+    settings = {"model": str(model), "device": "cpu", "max_num_seqs": 8, "max_model_len": MAX_MODEL_LEN, **config}
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in settings.items()}
     proc = _spawn(["engine", "--socket", str(sock), "--config", json.dumps(settings)], directory / f"{name}.log")
     return Worker(proc, sock, directory / f"{name}.log")
@@ -162,7 +163,7 @@ class Gateway:
     proc: subprocess.Popen[bytes]
     url: str
     run_dir: Path
-    config: Path
+    config: Path | None  # the config file it was started with, if any
     log_path: Path
 
     def token(self) -> str:
@@ -204,18 +205,22 @@ def start_gateway(root: Path, config_text: str, env: dict[str, str] | None = Non
            "--run-dir", str(root / "run")]  # fmt: skip
     with log_path.open("wb") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-    gw = Gateway(proc, f"http://127.0.0.1:{port}", root / "run", config, log_path)
+    return wait_until_ready(Gateway(proc, f"http://127.0.0.1:{port}", root / "run", config, log_path))
+
+
+def wait_until_ready(gw: Gateway) -> Gateway:
+    """Poll the gateway's /ready until it answers 200; fail (with its log) if it exits or takes too long."""
     deadline = time.monotonic() + GATEWAY_START_DEADLINE
     while time.monotonic() < deadline:
-        assert proc.poll() is None, log_path.read_text()
+        assert gw.proc.poll() is None, gw.log_path.read_text()
         try:
             if httpx.get(f"{gw.url}/ready", timeout=30).status_code == 200:
                 return gw
         except httpx.TransportError:
             pass
         time.sleep(0.2)
-    proc.kill()
-    pytest.fail(f"gateway not ready:\n{log_path.read_text()}")
+    gw.proc.kill()
+    pytest.fail(f"gateway not ready:\n{gw.log_path.read_text()}")
 
 
 PROMPTS = ["The capital of France is", "Write a haiku about the sea."]

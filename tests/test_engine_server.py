@@ -493,3 +493,32 @@ def test_sigterm_during_start_up_exits_cleanly(model: Path, tmp_path: Path) -> N
     assert proc.returncode == 0, out
     assert "event=exit reason=" in out and "during start-up" in out, out
     assert not sock.exists()
+
+
+def test_sigterm_during_the_warm_up_is_not_lost(model: Path, tmp_path: Path) -> None:
+    """A SIGTERM after the engine is built but before the worker serves (its warm-up) still stops it: it was
+    once recorded and never acted on, and the supervisor waited drain_timeout + 10 s to kill the worker."""
+    import subprocess
+    import sys
+
+    from processes import REPO
+
+    sock = tmp_path / "engine.sock"
+    config = json.dumps({"model": str(model), "device": "cpu", "max_num_seqs": 2, "max_model_len": 256})
+    cmd = [sys.executable, "-m", "app.cli", "engine", "--socket", str(sock), "--config", config]
+    log_path = tmp_path / "engine.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while "event=startup phase=engine " not in log_path.read_text() and time.monotonic() < deadline:
+        assert proc.poll() is None, log_path.read_text()
+        time.sleep(0.01)
+    assert "event=ready" not in log_path.read_text(), "the warm-up was over before the signal: nothing was tested"
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"the worker ignored a SIGTERM sent during its warm-up:\n{log_path.read_text()}")
+    assert proc.returncode == 0, log_path.read_text()
+    assert not sock.exists()

@@ -361,12 +361,33 @@ def test_metrics_agree_with_what_clients_saw(gateway: Gateway) -> None:
     assert 0.5 * first_token[chat] < chat_ttft <= first_token[chat], (chat_ttft, first_token)
 
 
-def test_status_cli_reads_the_token_from_the_run_dir(gateway: Gateway) -> None:
-    run = subprocess.run([sys.executable, "-m", "app.cli", "status", "--url", gateway.url, "--run-dir",
-                          str(gateway.run_dir)], cwd=REPO, capture_output=True, text=True, timeout=60)  # fmt: skip
-    assert run.returncode == 0, run.stderr
-    status = json.loads(run.stdout)
-    assert status["active"] is not None and status["cache"]["bytes"] > 0
+def test_status_restart_and_reload_commands_print_summaries_and_json(gateway: Gateway) -> None:
+    def cli(*args: str) -> str:  # the token comes from the run dir
+        cmd = [sys.executable, "-m", "app.cli", *args, "--url", gateway.url, "--run-dir", str(gateway.run_dir)]
+        run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+        return run.stdout
+
+    status = json.loads(cli("status", "--json"))  # the document, as /admin/status gives it
+    assert status["active"] is not None and status["cache"]["bytes"] > 0 and status["restarts"]
+    summary = cli("status")
+    assert f"model    {status['model']}" in summary
+    cache = status["cache"]
+    assert f"{cache['device']}  {cache['bytes'] / 2**20:.1f} MiB" in summary and f"pid {cache['pid']}" in summary
+    active = next(e for e in status["engines"] if e["id"] == status["active"])
+    row = next(line.split() for line in summary.splitlines() if line.startswith(f"{active['id']} "))
+    assert row[:4] == [str(active["id"]), "active", str(active["pid"]), "ipc"], row
+    last = status["restarts"][-1]
+    assert f"  {last['reason']}  {last['strategy']}  ok: engine {last['engine']}" in summary
+    for phase in last["phases"]:  # one line per phase, its duration beside it; the total on the restart's line
+        assert phase == "total" or any(line.split()[0] == phase for line in summary.splitlines() if line), phase
+
+    restart = cli("restart", "--strategy", "overlap")
+    head, *phases = restart.strip().splitlines()
+    assert "  admin  overlap  ok: engine " in head and " total " in head, restart
+    assert {line.split()[0] for line in phases} >= {"probe", "switch", "drain"}, restart
+    assert json.loads(cli("reload", "--json")) == {"changed": None, "ok": True}  # reload's text: test_admin_text.py
+
     cmd = [sys.executable, "-m", "app.cli", "status", "--url", gateway.url, "--run-dir", "/nonexistent"]
     env = {**os.environ, "WARMGATE_ADMIN_TOKEN": ""}
     bad = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60, env=env)

@@ -71,15 +71,6 @@ class ProcessedWeights:
     device: torch.device
 
 
-def resolve_device(device: str | torch.device) -> torch.device:
-    """A concrete device: "cuda" becomes "cuda:N" (the current one). The manifest and the engine
-    compare device names, so every process must name the same GPU the same way."""
-    target = torch.device(device)
-    if target.type == "cuda" and target.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return target
-
-
 def compute_dtype(device: torch.device, requested: str = "auto") -> torch.dtype:
     """fp32 on CPU (exact against references, and CPU bf16 matmuls are slow), bf16 on CUDA."""
     if requested != "auto":

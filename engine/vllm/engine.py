@@ -24,8 +24,8 @@ from typing import Any
 
 from cache.events import log_event
 from cache.processors import compute_dtype
-from cache.processors.native import resolve_device
 from cache.processors.vllm import LOAD_FORMAT, engine_args
+from common.device import resolve_device
 from engine.config import EngineConfig
 from engine.request_stream import Outbox, RequestStream, TokenEvent
 from engine.sampling_params import SamplingParams
