@@ -46,5 +46,5 @@ lint: setup
 	$(BIN)/mypy
 
 test: setup lint setup-vllm
-	$(BIN)/pytest -q -m "not vllm"
-	$(VLLM_BIN)/pytest -q -m vllm
+	$(BIN)/pytest -q -m "not vllm" --durations=15
+	$(VLLM_BIN)/pytest -q -m vllm --durations=5

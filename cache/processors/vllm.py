@@ -197,6 +197,7 @@ def restore_processed_state(model: nn.Module, config: Any) -> None:
     """
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+    from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
     from vllm.model_executor.utils import weights_already_processed
 
     target = torch.device(config.device_config.device)
@@ -205,6 +206,9 @@ def restore_processed_state(model: nn.Module, config: Any) -> None:
         for name, module in model.named_modules():
             method = getattr(module, "quant_method", None)
             if not isinstance(method, QuantizeMethodBase):
+                continue
+            if isinstance(method, BaseKVCacheMethod):
+                _restore_kv_scales(method, module)
                 continue
             if method.supports_pre_processed_weights:
                 method.process_weights_after_loading(module)
@@ -215,6 +219,18 @@ def restore_processed_state(model: nn.Module, config: Any) -> None:
             module.weight.input_dim, module.weight.output_dim = 0, 1
             if not scheme.is_static_input_scheme:
                 module.input_scale = None
+
+
+def _restore_kv_scales(method: Any, module: nn.Module) -> None:
+    """An attention layer's KV-cache scales: vLLM's base method rebuilds them from the exported buffers; the
+    compressed-tensors override (vLLM 0.32) does not know the pre-processed mode and would read its consumed
+    placeholders, so the base method runs instead, and the override's extra placeholders are dropped too."""
+    from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
+
+    BaseKVCacheMethod.process_weights_after_loading(method, module)
+    for name in ("q_zero_point", "k_zero_point", "v_zero_point"):
+        if hasattr(module, name):
+            delattr(module, name)
 
 
 def export(model: nn.Module) -> ProcessedModel:
