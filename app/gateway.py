@@ -27,9 +27,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.engines import Engine, EngineManager
 from app.metrics import GatewayMetrics
+from app.openapi import document_bodies
 from app.resume import DONE, EngineFailed, InFlight, split_events
 from cache.events import log_event
-from engine.protocol import RESUMABLE_HEADER, ErrorInfo, ErrorResponse
+from engine.protocol import RESUMABLE_HEADER, ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse
 
 log = logging.getLogger("warmgate.gateway")
 
@@ -60,6 +61,7 @@ class GatewayState:
 
 def create_gateway(state: GatewayState) -> FastAPI:
     app = FastAPI(title="warmgate", docs_url=None, redoc_url=None)
+    document_bodies(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest})
     app.state.gateway = state
     metrics = state.metrics
 
