@@ -68,6 +68,15 @@ class CacheHandle:
         with CacheClient(self.socket, name="gateway", timeout=timeout) as client:
             return client.stats()
 
+    async def wait_exit(self, poll: float = 1.0) -> int | None:
+        """Return when the cache process has exited: its exit code (ours), or None (adopted: not our child,
+        so it is polled)."""
+        if self.process is not None:
+            return await self.process.wait()
+        while self.pid is not None and _alive(self.pid):
+            await asyncio.sleep(poll)
+        return None
+
     async def stop(self) -> None:
         """Stop the cache process, ours or adopted; engines that attached keep their mappings."""
         if self.process is not None:
@@ -75,15 +84,49 @@ class CacheHandle:
         elif self.pid is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGTERM)  # the socket's peer check proved it runs as our user
+            with contextlib.suppress(TimeoutError):  # not our child: poll until it is gone (it unlinks its socket)
+                await asyncio.wait_for(self.wait_exit(poll=0.05), 30)
             log_event(log, "cache_stopped", socket=self.socket, pid=self.pid, adopted=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process took the pid
+        return False
+    return True
+
+
+async def adopt_or_start(spec: CacheSpec, run_dir: Path, socket: Path, log_path: Path) -> CacheHandle:
+    """The cache for ``spec`` at a gateway's start: one already serving it in the run dir (an earlier
+    supervisor's, which died: the model is still resident, nothing is read from disk), else a new one on
+    ``socket``. Caches in the run dir that hold other weights are left over from that supervisor: stopped."""
+    key = _key(spec)
+    adopted: CacheHandle | None = None
+    for path in sorted(run_dir.glob("cache*.sock")):
+        with contextlib.suppress(CacheUnavailable, CacheRefused), CacheClient(path, name="gateway") as client:
+            pid = client.hello.get("pid")
+            if adopted is None and client.hello["key"] == key:
+                log_event(log, "cache_adopted", socket=path, pid=pid, key=key[:12])
+                adopted = CacheHandle(spec, path, key, None, pid)
+                continue
+            log_event(log, "cache_stale", socket=path, pid=pid, key=str(client.hello["key"])[:12])
+            await CacheHandle(spec, path, str(client.hello["key"]), None, pid).stop()
+    return adopted or await start_or_adopt(spec, socket, log_path)
+
+
+def _key(spec: CacheSpec) -> str:
+    try:
+        return spec.key()
+    except RuntimeError as exc:  # the vllm backend without vLLM installed
+        raise CacheStartError(str(exc)) from None
 
 
 async def start_or_adopt(spec: CacheSpec, socket: Path, log_path: Path, timeout: float = 600.0) -> CacheHandle:
     """A cache for ``spec``: the one on ``socket`` if its key matches, else a new cache process."""
-    try:
-        key = spec.key()
-    except RuntimeError as exc:  # the vllm backend without vLLM installed
-        raise CacheStartError(str(exc)) from None
+    key = _key(spec)
     with contextlib.suppress(CacheUnavailable, CacheRefused), CacheClient(socket, name="gateway") as client:
         if client.hello["key"] == key:
             log_event(log, "cache_adopted", socket=socket, pid=client.hello.get("pid"), key=key[:12])

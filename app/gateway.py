@@ -57,6 +57,7 @@ class GatewayState:
     status: Callable[[], Awaitable[dict[str, Any]]]
     waiting: int = 0
     scrape: Callable[[], Awaitable[object]] | None = None  # refreshes gauges read elsewhere (the cache's) for /metrics
+    cache_down: Callable[[], str | None] = lambda: None  # why the cache process is not serving, if it is not
 
 
 def create_gateway(state: GatewayState) -> FastAPI:
@@ -267,15 +268,18 @@ def create_gateway(state: GatewayState) -> FastAPI:
     @app.get("/ready")
     async def ready() -> Response:
         engine = state.manager.active
+        cache_down = state.cache_down()
         if engine is None:
-            return openai_error(503, "no active engine", "service_unavailable")
+            why = f" ({cache_down})" if cache_down else ""
+            return openai_error(503, f"no active engine{why}", "service_unavailable")
         try:
             response = await engine.http().post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, timeout=30)
         except httpx.HTTPError as exc:
             return openai_error(503, f"the active engine did not answer: {exc}", "service_unavailable")
         if response.status_code != 200:
             return openai_error(503, f"the active engine answered {response.status_code}", "service_unavailable")
-        return JSONResponse({"status": "ready", "engine": engine.id})
+        # Engines serve on their mappings while the cache process restarts: ready, and saying so.
+        return JSONResponse({"status": "ready", "engine": engine.id, "cache": cache_down or "ok"})
 
     @app.get("/metrics")
     async def prometheus() -> Response:

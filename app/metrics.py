@@ -43,6 +43,8 @@ class GatewayMetrics:
         self.weight_loads = Counter("warmgate:weight_loads", "Engine weight loads by source", ["source"],
                                     registry=r)  # fmt: skip
         self.crashes = Counter("warmgate:engine_crashes", "Engines that exited while serving", registry=r)
+        self.cache_restarts = Counter("warmgate:cache_restarts", "Cache processes that exited and were restarted",
+                                      registry=r)  # fmt: skip
         self.cache_bytes = Gauge("warmgate:cache_bytes", "Bytes of processed weights held by the cache",
                                  registry=r)  # fmt: skip
         self.cache_leases = Gauge("warmgate:cache_leases", "Engines attached to the cache's weights", registry=r)

@@ -21,7 +21,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from app.cache_process import CacheHandle, CacheSpec, CacheStartError, start_or_adopt
+from app.cache_process import CacheHandle, CacheSpec, CacheStartError, adopt_or_start, start_or_adopt
 from app.config import ConfigError, Settings, load_settings
 from app.engines import EngineManager
 from app.fork_client import ForkServer, ForkServerUnavailable
@@ -30,6 +30,7 @@ from app.metrics import GatewayMetrics
 from cache import events
 from cache.uds import private_dir
 from common.device import resolve_device
+from common.lifetime import name_supervisor
 
 log = logging.getLogger("warmgate.gateway")
 TOKEN_FILE = "admin-token"
@@ -49,6 +50,47 @@ class Supervisor:
         self.manager = manager
         self.metrics = metrics
         self.caches_started = 1
+        self.cache_down: str | None = None  # why the cache process is not serving, while it is restarted
+
+    def _next_socket(self) -> Path:
+        """A socket path no cache in the run dir uses (an adopted cache may hold a later number)."""
+        while True:
+            self.caches_started += 1
+            path = self.settings.run_dir / f"cache-{self.caches_started}.sock"
+            if not path.exists():
+                return path
+
+    async def watch_cache(self, backoff: float, backoff_max: float) -> None:
+        """Keep a cache process serving: when the current one exits (not replaced by a reload), start another
+        on the same socket, then roll the engines onto it.
+
+        While it is down, engines keep serving: their weights are mappings of the dead cache's memory,
+        which the kernel keeps while they are mapped. Only an engine start needs the cache (``ipc`` fails,
+        ``ipc-or-disk`` reads the checkpoint). The roll returns memory to one copy of the weights.
+        """
+        wait = backoff
+        while True:
+            handle = self.cache
+            code = await handle.wait_exit()
+            if handle is not self.cache:
+                continue  # a reload replaced it and stopped it on purpose
+            self.cache_down = f"the cache process (pid {handle.pid}) exited with {code}; restarting it"
+            self.metrics.cache_restarts.inc()
+            events.log_event(log, "cache_exited", pid=handle.pid, code=code, socket=handle.socket)
+            while True:
+                try:  # on a new socket: the engines' config changes, so every engine is replaced (standbys too)
+                    cache = await start_or_adopt(handle.spec, self._next_socket(), self.settings.run_dir / "cache.log")
+                    break
+                except CacheStartError as exc:
+                    self.cache_down = f"the cache process exited and does not restart: {exc}"
+                    events.log_event(log, "cache_restart_failed", reason=exc, retry_in=wait)
+                    await asyncio.sleep(wait)
+                    wait = min(wait * 2, backoff_max)
+            self.cache, self.cache_down, wait = cache, None, backoff
+            events.log_event(log, "cache_restarted", pid=cache.pid, key=cache.key[:12])
+            config = self.settings.engine_config(self.model, cache.socket)
+            report = await self.manager.restart(config, "overlap", reason="cache restarted")
+            events.log_event(log, "engines_moved_to_cache", ok=report.ok, weight_source=report.weight_source)
 
     async def restart(self, body: dict[str, Any]) -> dict[str, Any]:
         strategy = body.get("strategy", self.settings.restart.strategy)
@@ -80,10 +122,8 @@ class Supervisor:
         if spec != self.cache.spec:  # model, backend, device or dtype: other weights, from another cache
             changed = "model" if spec.model != self.cache.spec.model else "cache"
             old_cache = self.cache
-            self.caches_started += 1
-            socket = self.settings.run_dir / f"cache-{self.caches_started}.sock"
             try:
-                cache = await start_or_adopt(spec, socket, self.settings.run_dir / "cache.log")
+                cache = await start_or_adopt(spec, self._next_socket(), self.settings.run_dir / "cache.log")
             except CacheStartError as exc:
                 raise ValueError(f"reload refused, the old engines keep serving: {exc}") from None
             report = await self.manager.restart(new.engine_config(new_model, cache.socket), strategy, reason="reload")
@@ -140,6 +180,7 @@ def admin_token(settings: Settings) -> str:
 def main(config_path: Path | None, **overrides: Any) -> int:
     started = time.perf_counter()
     events.configure_logging()
+    name_supervisor()  # engines and the fork server stop when this process dies, even by SIGKILL
     settings = load_settings(config_path, **overrides)
     private_dir(settings.run_dir)
     token = admin_token(settings)
@@ -165,7 +206,8 @@ async def _serve(settings: Settings, config_path: Path | None, overrides: dict[s
     forker = ForkServer(run_dir / "fork.sock", run_dir / "fork-server.log") if r.fork_server else None
     forking = asyncio.create_task(forker.start()) if forker is not None else None  # imports torch meanwhile
     try:
-        cache = await start_or_adopt(CacheSpec.of(settings, model), run_dir / "cache.sock", run_dir / "cache.log")
+        cache = await adopt_or_start(CacheSpec.of(settings, model), run_dir, run_dir / "cache.sock",
+                                     run_dir / "cache.log")  # fmt: skip
         if forking is not None:
             await forking
     except ForkServerUnavailable as exc:  # engines are spawned instead; a restart tries the fork server again
@@ -177,13 +219,16 @@ async def _serve(settings: Settings, config_path: Path | None, overrides: dict[s
     manager = EngineManager(run_dir, r.start_timeout, r.drain_timeout, r.crash_backoff, r.crash_backoff_max, metrics,
                             forker, r.standby, r.health_interval, r.health_timeout)  # fmt: skip
     supervisor = Supervisor(settings, config_path, overrides, model, cache, manager, metrics)
+    watcher: asyncio.Task[None] | None = None
     try:
         report = await manager.start_first(settings.engine_config(model, cache.socket))
         if not report.ok:
             raise RuntimeError(f"the first engine did not start: {report.error}")
+        watcher = asyncio.create_task(supervisor.watch_cache(r.crash_backoff, r.crash_backoff_max))
         state = GatewayState(manager, metrics, settings.gateway.api_keys, token, r.queue_timeout, r.max_queue,
                              r.request_resumes, settings.gateway.max_body_bytes, supervisor.restart,
-                             supervisor.reload, supervisor.status, scrape=supervisor.cache_stats)  # fmt: skip
+                             supervisor.reload, supervisor.status, scrape=supervisor.cache_stats,
+                             cache_down=lambda: supervisor.cache_down)  # fmt: skip
         app = create_gateway(state)
         config = uvicorn.Config(app, host=settings.gateway.host, port=settings.gateway.port, log_config=None,
                                 log_level="warning", access_log=False, lifespan="off")  # fmt: skip
@@ -211,6 +256,10 @@ async def _serve(settings: Settings, config_path: Path | None, overrides: dict[s
                          run_dir=run_dir, seconds=time.perf_counter() - started)  # fmt: skip
         await server.serve()
     finally:
+        if watcher is not None:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
         await manager.close()
         if forker is not None:
             await forker.stop()

@@ -32,6 +32,8 @@ from typing import Any
 from cache.events import configure_logging, log_event
 from cache.protocol import ProtocolError, error_reply, recv_message, send_message
 from cache.uds import bind_unix_socket
+from common.lifetime import INTERVAL as LIFETIME_INTERVAL
+from common.lifetime import SupervisorWatch
 
 log = logging.getLogger("warmgate.engine.fork_server")
 REQUEST_TIMEOUT = 5.0  # seconds a client has to send its spawn request once connected
@@ -93,8 +95,13 @@ class _ForkServer:
         self.stopping = True
 
     def run(self) -> None:
+        # A gateway killed with SIGKILL leaves no fork server behind: checked between events (no thread here).
+        supervisor = SupervisorWatch()
         while not self.stopping:
-            for key, _ in self.selector.select():
+            if supervisor.gone():
+                log_event(log, "supervisor_gone", supervisor=supervisor.pid)
+                return
+            for key, _ in self.selector.select(timeout=LIFETIME_INTERVAL):
                 if key.data == "accept":
                     self._accept()
                 elif key.data == "signal":

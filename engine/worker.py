@@ -136,6 +136,9 @@ def main(socket_path: str | Path, config_source: str, drain_timeout: float = DEF
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: stop_requested.append(signal.Signals(signum).name))
     log_event("startup", phase="begin", socket=socket_path, pid=os.getpid())
+    from common.lifetime import stop_with_supervisor
+
+    stop_with_supervisor()  # a gateway killed with SIGKILL leaves no engine behind
 
     from cache.uds import bind_unix_socket
     from engine.config import EngineConfig
