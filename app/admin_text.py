@@ -60,8 +60,10 @@ def reload_text(report: dict[str, Any]) -> str:
     changed = report.get("changed")
     if changed is None:
         return "config re-read: no engine or model setting changed, nothing restarted"
-    what = "the model changed: a new cache process, then the engines swapped" if changed == "model" else (
-        "engine settings changed: the engines rolled over on the cached weights")  # fmt: skip
+    what = {
+        "model": "the model changed: a new cache process, then the engines swapped",
+        "cache": "the cached weights' backend, device or dtype changed: a new cache process, then the engines swapped",
+    }.get(changed, "engine settings changed: the engines rolled over on the cached weights")
     return f"config re-read: {what}\n{restart_text(report)}"
 
 

@@ -94,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     forks = commands.add_parser("fork-server", help="pre-import torch and the engine, then fork engine workers")
     forks.add_argument("--socket", type=Path, required=True, help="Unix socket to take spawn requests on")
+    forks.add_argument("--backend", default="native", choices=("native", "vllm"),
+                       help="also import this engine backend's modules before forking")  # fmt: skip
     forks.set_defaults(run=_fork_server)
     return parser
 
@@ -193,7 +195,7 @@ def _engine(args: argparse.Namespace) -> None:
 def _fork_server(args: argparse.Namespace) -> None:
     from engine.fork_server import serve
 
-    serve(args.socket, child_main=main)  # a forked worker runs `warmgate engine ...` as if spawned
+    serve(args.socket, child_main=main, backend=args.backend)  # a forked worker runs `warmgate engine ...`
 
 
 def _print_check(path: Path) -> None:

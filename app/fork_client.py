@@ -72,9 +72,10 @@ class ForkedProcess:
 class ForkServer:
     """A fork-server process of the gateway's, started on demand and restarted when it dies."""
 
-    def __init__(self, socket: Path, log_path: Path) -> None:
+    def __init__(self, socket: Path, log_path: Path, backend: str = "native") -> None:
         self.socket = socket
         self.log_path = log_path
+        self.backend = backend  # whose modules the fork server imports before forking (vllm: ~10 s less per start)
         self.process: asyncio.subprocess.Process | None = None
         self._starting: asyncio.Task[None] | None = None
 
@@ -88,7 +89,7 @@ class ForkServer:
         with self.log_path.open("ab") as out:
             self.process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "app.cli", "fork-server", "--socket", str(self.socket),
-                stdout=out, stderr=asyncio.subprocess.STDOUT,
+                "--backend", self.backend, stdout=out, stderr=asyncio.subprocess.STDOUT,
             )  # fmt: skip
         deadline = time.monotonic() + START_TIMEOUT
         while not self._listening():

@@ -203,7 +203,9 @@ async def _serve(settings: Settings, config_path: Path | None, overrides: dict[s
     metrics = GatewayMetrics()
     run_dir = settings.run_dir
     r = settings.restart
-    forker = ForkServer(run_dir / "fork.sock", run_dir / "fork-server.log") if r.fork_server else None
+    forker = None
+    if r.fork_server:
+        forker = ForkServer(run_dir / "fork.sock", run_dir / "fork-server.log", settings.engine.backend)
     forking = asyncio.create_task(forker.start()) if forker is not None else None  # imports torch meanwhile
     try:
         cache = await adopt_or_start(CacheSpec.of(settings, model), run_dir, run_dir / "cache.sock",

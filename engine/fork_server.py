@@ -23,6 +23,7 @@ import selectors
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -41,8 +42,9 @@ REQUEST_TIMEOUT = 5.0  # seconds a client has to send its spawn request once con
 ChildMain = Callable[[Sequence[str]], int]  # the worker's command line -> its exit code
 
 
-def preload() -> float:
-    """Import what every worker imports (torch, the engine, its HTTP server); seconds it took."""
+def preload(backend: str = "native") -> float:
+    """Import what every worker imports (torch, the engine, its HTTP server; vLLM's engine for the vllm
+    backend, which takes ~10 s and starts no thread); seconds it took."""
     t = time.perf_counter()
     import fastapi  # noqa: F401
     import torch
@@ -51,17 +53,23 @@ def preload() -> float:
     import engine.llm_engine
     import engine.server
     import engine.tokenizer
-    import engine.worker  # noqa: F401
+    import engine.worker
 
+    if backend == "vllm":
+        import engine.vllm.engine
+        import engine.vllm.loader
+
+        engine.vllm.engine.import_vllm()
     assert not torch.cuda.is_initialized(), "the fork server must not touch CUDA"
+    assert threading.active_count() == 1, f"the fork server must not run threads: {threading.enumerate()}"
     return time.perf_counter() - t
 
 
-def serve(socket_path: Path, child_main: ChildMain) -> int:
+def serve(socket_path: Path, child_main: ChildMain, backend: str = "native") -> int:
     """Serve spawn requests on ``socket_path`` until SIGTERM/SIGINT; each child runs ``child_main(argv)``."""
     configure_logging()
     log_event(log, "startup", phase="begin", socket=socket_path, pid=os.getpid())
-    log_event(log, "startup", phase="import", seconds=preload())
+    log_event(log, "startup", phase="import", backend=backend, seconds=preload(backend))
     server = _ForkServer(socket_path, child_main)
     log_event(log, "ready", socket=socket_path)
     try:

@@ -39,6 +39,31 @@ CPU_KV_CACHE_BYTES = 1 << 30  # vLLM on CPU needs an explicit KV size; the gatew
 FINISH = {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}
 
 
+@dataclass(frozen=True)
+class _Vllm:
+    """What this module uses of vLLM (imported once, by the worker or ahead of forks by the fork server)."""
+
+    SamplingParams: Any
+    TokensPrompt: Any
+    DELTA: Any
+    EngineArgs: Any
+    LLMEngine: Any
+
+
+def import_vllm() -> _Vllm:
+    """Import vLLM's engine and register the warmgate load format in this process."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    import engine.vllm.loader  # noqa: F401  (registers the load format)
+
+    return _Vllm(SamplingParams, TokensPrompt, RequestOutputKind.DELTA, EngineArgs, LLMEngine)
+
+
 @dataclass
 class _Pending:
     stream: RequestStream
@@ -50,19 +75,11 @@ class VllmEngine:
     """Build vLLM's engine (blocking; its weights through the warmgate load format), then ``start()``."""
 
     def __init__(self, config: EngineConfig) -> None:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         self.config = config
         self.startup_phases: dict[str, float] = {}
         t = time.perf_counter()
-        from vllm import SamplingParams as VllmSamplingParams
-        from vllm.engine.arg_utils import EngineArgs
-        from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
-        from vllm.v1.engine.llm_engine import LLMEngine
-
-        import engine.vllm.loader  # noqa: F401  (registers the load format in this process)
-
-        self._sampling, self._prompt, self._delta = VllmSamplingParams, TokensPrompt, RequestOutputKind.DELTA
+        vllm = import_vllm()
+        self._sampling, self._prompt, self._delta = vllm.SamplingParams, vllm.TokensPrompt, vllm.DELTA
         self.startup_phases["vllm_import"] = time.perf_counter() - t
 
         t = time.perf_counter()
@@ -86,7 +103,7 @@ class VllmEngine:
             **({"kv_cache_memory_bytes": kv_bytes} if kv_bytes else {}),
             **({"enforce_eager": True} if not config.cuda_graphs else {}),
         )  # fmt: skip
-        self.llm = LLMEngine.from_engine_args(EngineArgs(**args))
+        self.llm = vllm.LLMEngine.from_engine_args(vllm.EngineArgs(**args))
         self.startup_phases["vllm_engine"] = time.perf_counter() - t
         origin = self.llm.apply_model(lambda model: model.warmgate_origin)[0]
         self._origin: WeightOrigin = origin
