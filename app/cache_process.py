@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,6 +107,9 @@ async def adopt_or_start(spec: CacheSpec, run_dir: Path, socket: Path, log_path:
     key = _key(spec)
     adopted: CacheHandle | None = None
     for path in sorted(run_dir.glob("cache*.sock")):
+        if _stale(path):  # left by a cache process that was killed
+            path.unlink(missing_ok=True)
+            continue
         with contextlib.suppress(CacheUnavailable, CacheRefused), CacheClient(path, name="gateway") as client:
             pid = client.hello.get("pid")
             if adopted is None and client.hello["key"] == key:
@@ -115,6 +119,20 @@ async def adopt_or_start(spec: CacheSpec, run_dir: Path, socket: Path, log_path:
             log_event(log, "cache_stale", socket=path, pid=pid, key=str(client.hello["key"])[:12])
             await CacheHandle(spec, path, str(client.hello["key"]), None, pid).stop()
     return adopted or await start_or_adopt(spec, socket, log_path)
+
+
+def _stale(path: Path) -> bool:
+    """A socket file nobody listens on."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except (ConnectionRefusedError, FileNotFoundError):
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return False
 
 
 def _key(spec: CacheSpec) -> str:

@@ -62,7 +62,7 @@ class Supervisor:
 
     async def watch_cache(self, backoff: float, backoff_max: float) -> None:
         """Keep a cache process serving: when the current one exits (not replaced by a reload), start another
-        on the same socket, then roll the engines onto it.
+        on a new socket, then roll the engines onto it.
 
         While it is down, engines keep serving: their weights are mappings of the dead cache's memory,
         which the kernel keeps while they are mapped. Only an engine start needs the cache (``ipc`` fails,
@@ -81,7 +81,7 @@ class Supervisor:
                 try:  # on a new socket: the engines' config changes, so every engine is replaced (standbys too)
                     cache = await start_or_adopt(handle.spec, self._next_socket(), self.settings.run_dir / "cache.log")
                     break
-                except CacheStartError as exc:
+                except Exception as exc:  # CacheStartError, or the run dir gone: keep trying, with backoff
                     self.cache_down = f"the cache process exited and does not restart: {exc}"
                     events.log_event(log, "cache_restart_failed", reason=exc, retry_in=wait)
                     await asyncio.sleep(wait)
