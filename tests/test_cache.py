@@ -46,7 +46,8 @@ def wait_for(predicate: Any, timeout: float = 10.0) -> bool:
     return False
 
 
-@pytest.mark.parametrize("scheme", ["fp8-block", "fp8-channel", "fp8-tensor", "bf16"])
+# fp8-tensor takes the fp8-channel path on CPU (dequantized once, a scalar scale instead of a column): not repeated.
+@pytest.mark.parametrize("scheme", ["fp8-block", "fp8-channel", "bf16"])
 def test_four_paths_give_identical_outputs_from_one_copy(scheme: str, demo_path, tmp_path: Path) -> None:
     model = demo_path(scheme)
     workers: list[Worker] = []

@@ -1,4 +1,4 @@
-"""Fault injection against `warmgate serve` (CPU, the fp8-block demo), under load.
+"""Fault injection against `warmgate serve` (CPU, the bf16 demo), under load.
 
 One gateway with a standby engine; four clients (two streaming) send requests the whole time. Each test
 injects one fault, waits for recovery, and records what happened: requests in flight during the fault and
@@ -99,7 +99,7 @@ def _wait_for(condition: Any, seconds: float, what: str) -> Any:
 
 @pytest.fixture(scope="module")
 def suite(demo_path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Suite]:
-    s = Suite(tmp_path_factory.mktemp("faults"), demo_path("fp8-block"))
+    s = Suite(tmp_path_factory.mktemp("faults"), demo_path("bf16"))  # the cheapest to rebuild, when the cache dies
     try:
         _standby_ready(s)
         yield s
