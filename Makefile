@@ -46,13 +46,13 @@ lint: setup
 	$(BIN)/mypy
 
 # Both venvs at once, the demo checkpoints (every test session uses them), then the tests: the vLLM session
-# beside the main one, itself two workers by test file (pytest-xdist). Most of the suite waits on engine
+# beside the main one, itself three workers by test file (pytest-xdist). Most of the suite waits on engine
 # processes (start-up imports, drains, health timeouts), so on two cores they overlap well.
 test:
 	$(MAKE) -j2 setup setup-vllm
 	$(MAKE) lint
 	for scheme in bf16 fp8-block fp8-channel fp8-tensor; do $(BIN)/warmgate model demo --quiet --scheme $$scheme >/dev/null || exit 1; done
 	$(VLLM_BIN)/pytest -q -m vllm --durations=5 -p no:cacheprovider > .vllm-tests.log 2>&1 & vllm=$$!; \
-	$(BIN)/pytest -q -m "not vllm" -n 2 --dist loadfile --durations=15; main=$$?; \
+	$(BIN)/pytest -q -m "not vllm" -n 3 --dist loadfile --durations=15; main=$$?; \
 	wait $$vllm; vllm_status=$$?; echo "--- vLLM tests (.venv-vllm)"; cat .vllm-tests.log; \
 	test $$main -eq 0 && test $$vllm_status -eq 0

@@ -228,7 +228,7 @@ def test_no_dropped_requests_across_restarts_reload_and_crashes(gateway: Gateway
     assert active["settings"]["max_num_seqs"] == 4 and active["weight_source"] == "ipc"
     restarts = status["restarts"]
     assert [r["reason"] for r in restarts[-3:]] == ["crash"] * 3 and all(r["ok"] for r in restarts[-3:])
-    assert status["cache"]["attach_count"] >= 1 + 10 + 1 + 3
+    assert status["cache"]["attach_count"] >= 1 + len(reports) + 1 + 3
     after = gateway.client().completions.create(model=MODEL_NAME, prompt="The capital of France is", max_tokens=8,
                                                 temperature=0)  # fmt: skip
     assert after.choices[0].text == reference.choices[0].text  # the cache's weights, not the scrambled file
