@@ -46,13 +46,17 @@ lint: setup
 	$(BIN)/mypy
 
 # Both venvs at once, the demo checkpoints (every test session uses them), then the tests: the vLLM session
-# beside the main one, itself three workers by test file (pytest-xdist). Most of the suite waits on engine
-# processes (start-up imports, drains, health timeouts), so on two cores they overlap well.
+# beside the main one, itself three pytest-xdist workers (tests sharing a module's engine or gateway stay on one
+# worker: tests/conftest.py). Most of the suite waits on engine processes (start-up imports, drains, health
+# timeouts), so on two cores they overlap well. One torch thread per process: with several processes computing
+# on two cores a second thread mostly spins (measured: a prefill-heavy test took 120 CPU-s with one thread,
+# 165 CPU-s with two).
+test: export OMP_NUM_THREADS = 1
 test:
 	$(MAKE) -j2 setup setup-vllm
 	$(MAKE) lint
 	for scheme in bf16 fp8-block fp8-channel fp8-tensor; do $(BIN)/warmgate model demo --quiet --scheme $$scheme >/dev/null || exit 1; done
 	$(VLLM_BIN)/pytest -q -m vllm --durations=5 -p no:cacheprovider > .vllm-tests.log 2>&1 & vllm=$$!; \
-	$(BIN)/pytest -q -m "not vllm" -n 3 --dist loadfile --durations=15; main=$$?; \
+	$(BIN)/pytest -q -m "not vllm" -n 3 --dist loadgroup --durations=15; main=$$?; \
 	wait $$vllm; vllm_status=$$?; echo "--- vLLM tests (.venv-vllm)"; cat .vllm-tests.log; \
 	test $$main -eq 0 && test $$vllm_status -eq 0

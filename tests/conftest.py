@@ -1,7 +1,9 @@
-"""Shared fixtures: the real demo checkpoints (built once per machine, reused) and the gpu marker."""
+"""Shared fixtures: the real demo checkpoints (built once per machine, reused), the gpu marker, and how
+pytest-xdist shares tests out (`make test` runs ``--dist loadgroup``)."""
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import pytest
@@ -10,13 +12,33 @@ import torch
 PROMPT = "What is the capital of France?"
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if _holds_a_module_resource(item):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (run on the GPU machine)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _holds_a_module_resource(item: pytest.Item) -> bool:
+    """Whether the test uses a module-scoped fixture with a teardown (an engine, a gateway it started).
+
+    Those tests run on one xdist worker, so the resource starts once; every other test is shared out on its
+    own, so one long file does not keep one worker busy while the others are idle.
+    """
+    definitions = getattr(item, "_fixtureinfo", None)
+    if definitions is None:
+        return False
+    return any(
+        fixture.scope == "module" and inspect.isgeneratorfunction(fixture.func)
+        for chain in definitions.name2fixturedefs.values()
+        for fixture in chain
+    )
 
 
 @pytest.fixture(scope="session")
