@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 import uuid
 from typing import Any
@@ -25,7 +24,7 @@ from engine.config import EngineConfig
 from engine.kv_cache import BlockAllocator, KVCache, KVCacheSpec
 from engine.model import ModelArgs, Transformer
 from engine.model_runner import ModelRunner
-from engine.request_stream import Outbox, RequestStream, TokenEvent
+from engine.request_stream import EngineThread, RequestStream, TokenEvent
 from engine.sampler import sample, skip_draws
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, Sequence
@@ -37,18 +36,14 @@ DEFAULT_MAX_MODEL_LEN = 4096
 STATS_INTERVAL = 10.0  # seconds between engine_stats log lines
 
 
-class LLMEngine:
+class LLMEngine(EngineThread[Sequence]):
     """Load the model (blocking), then ``start()`` the scheduler thread and ``submit`` requests."""
 
     def __init__(self, config: EngineConfig, source: WeightSource | None = None) -> None:
+        super().__init__()
         self.config = config
         self.startup_phases: dict[str, float] = {}
-        self._inbox: list[Sequence] = []
-        self._outbox = Outbox()
         self.stats = StepStats(self)
-        self._wake = threading.Condition()
-        self._stopping = False
-        self._thread: threading.Thread | None = None
         with self._phase("device_init"):
             self.device = resolve_device(config.device)
             if self.device.type == "cuda":
@@ -83,10 +78,6 @@ class LLMEngine:
     def _phase(self, name: str) -> _Timer:
         return _Timer(self.startup_phases, name)
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="warmgate-engine", daemon=True)
-        self._thread.start()
-
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                output_ids: list[int] | None = None) -> RequestStream:  # fmt: skip
         """Queue a request; must be called on the asyncio loop that will iterate the stream.
@@ -108,9 +99,7 @@ class LLMEngine:
             if seq.generator is not None and not params.greedy:
                 skip_draws(seq.generator, len(output), self.args.shape.vocab, self.device)
         seq.is_cancelled = lambda: stream.cancelled
-        with self._wake:
-            self._inbox.append(seq)
-            self._wake.notify()
+        self._enqueue(seq)
         return stream
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
@@ -157,48 +146,26 @@ class LLMEngine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting) + len(self._inbox)
 
-    def stop(self) -> None:
-        """Stop the scheduler thread; unfinished requests end with finish_reason 'abort'."""
-        with self._wake:
-            self._stopping = True
-            self._wake.notify()
-        if self._thread is not None:
-            self._thread.join()
+    # -- the scheduler thread (engine/request_stream.py's EngineThread) ---------------------
+
+    def _idle(self) -> bool:
+        return self.scheduler.idle
+
+    def _work(self, pending: list[Sequence]) -> None:
+        for seq in pending:
+            self.scheduler.add(seq)
+        self._step()
+        self.stats.step_done()
+
+    def _fail(self, error: str) -> None:
+        for seq in [*self.scheduler.running]:
+            self._finish(seq, TokenEvent(None, "error", error=error))
+
+    def _abort_all(self) -> None:
         for seq in [*self._inbox, *self.scheduler.waiting, *self.scheduler.running]:
             seq.emit(TokenEvent(None, "abort"))
-        self._outbox.flush()
-        self._inbox.clear()
         self.scheduler.waiting.clear()
         self.scheduler.running.clear()
-
-    @property
-    def alive(self) -> bool:
-        """The scheduler thread is running and accepting work."""
-        return self._running_thread() and not self._stopping
-
-    # -- the scheduler thread ------------------------------------------------------------
-
-    def _running_thread(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def _loop(self) -> None:
-        while True:
-            with self._wake:
-                while not self._stopping and not self._inbox and self.scheduler.idle:
-                    self._wake.wait()
-                if self._stopping:
-                    return
-                for seq in self._inbox:
-                    self.scheduler.add(seq)
-                self._inbox.clear()
-            try:
-                self._step()
-                self.stats.step_done()
-            except Exception as exc:  # a failed step fails its requests, not the engine
-                log.exception("event=step_failed")
-                for seq in [*self.scheduler.running]:
-                    self._finish(seq, TokenEvent(None, "error", error=f"{type(exc).__name__}: {exc}"))
-            self._outbox.flush()
 
     @torch.inference_mode()
     def _step(self) -> None:

@@ -1,14 +1,20 @@
 """A submitted request as the HTTP server sees it: an async stream of TokenEvents, fed from an engine thread.
 
-Every backend's engine hands its server RequestStreams: the engine's own thread pushes each step's
-events into an Outbox, which wakes each event loop once per step, not once per token.
+Every backend's engine hands its server RequestStreams: the engine's own thread (EngineThread) pushes each
+step's events into an Outbox, which wakes each event loop once per step, not once per token.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+log = logging.getLogger("warmgate.engine")
+Item = TypeVar("Item")  # what a backend queues for its thread (a native Sequence, a vLLM request)
 
 
 @dataclass(frozen=True)
@@ -70,3 +76,75 @@ class Outbox:
 def _deliver(events: list[tuple[RequestStream, TokenEvent]]) -> None:
     for stream, event in events:
         stream.queue.put_nowait(event)
+
+
+class EngineThread(Generic[Item]):
+    """The thread that steps a backend's engine: ``_enqueue`` (from the loop) hands it submitted requests,
+    and each step's events go back through one Outbox flush. Subclasses say what a step is (``_work``),
+    when there is nothing to do (``_idle``), and how requests end on failure (``_fail``) or stop (``_abort_all``).
+    """
+
+    def __init__(self) -> None:
+        self._outbox = Outbox()
+        self._inbox: list[Item] = []
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name=f"warmgate-{type(self).__name__}", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop stepping; unfinished requests end with finish_reason 'abort'."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join()
+        self._abort_all()
+        self._outbox.flush()
+        self._inbox.clear()
+
+    @property
+    def alive(self) -> bool:
+        """The thread is running and accepting work."""
+        return self._running_thread() and not self._stopping
+
+    def _running_thread(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _enqueue(self, item: Item) -> None:
+        with self._wake:
+            self._inbox.append(item)
+            self._wake.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopping and not self._inbox and self._idle():
+                    self._wake.wait()
+                if self._stopping:
+                    return
+                pending, self._inbox = self._inbox, []
+            try:
+                self._work(pending)
+            except Exception as exc:  # a failed step fails its requests, not the engine
+                log.exception("event=step_failed")
+                self._fail(f"{type(exc).__name__}: {exc}")
+            self._outbox.flush()
+
+    def _idle(self) -> bool:
+        raise NotImplementedError
+
+    def _work(self, pending: list[Item]) -> None:
+        """Take in ``pending`` (submitted since the last step), then run one step."""
+        raise NotImplementedError
+
+    def _fail(self, error: str) -> None:
+        """A step raised: end the requests it was working on with finish_reason 'error'."""
+        raise NotImplementedError
+
+    def _abort_all(self) -> None:
+        """After the thread stopped: end every request still queued or running with 'abort'."""
+        raise NotImplementedError

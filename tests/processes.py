@@ -133,6 +133,40 @@ def wait_cache(cache: Process) -> None:
     _wait(cache, answers, "cache process")
 
 
+def wait_for(condition: Any, seconds: float, what: str) -> Any:
+    """Poll ``condition()`` until it returns something true, and return that; fail the test with
+    "``what`` within ``seconds`` s" if it does not come."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    pytest.fail(f"{what} within {seconds} s")
+
+
+def check_attached_share_one_copy(cache: Process, attached: list[Worker], outputs: dict[str, Any],
+                                  disk_anon: int) -> int:  # fmt: skip
+    """The four-path check's common half, for any backend: every engine's greedy output (``outputs``, keyed
+    by path) is the disk engine's; the ``attached`` engines hold the cache's leases, say they came from
+    ``ipc`` with the cache's key, map the cache's own memfd arena, and hold no private copy of the weights
+    (their RssAnon is below the disk engine's, ``disk_anon``, by most of the arena).
+    Returns the arena's size, for the backend's own checks."""
+    for path, output in outputs.items():
+        assert output == outputs["disk"], path
+    with CacheClient(cache.socket) as client:
+        stats, manifest = client.stats(), client.manifest()
+    arena_bytes, cache_arenas = stats["bytes"], memfd_arenas(cache.pid)
+    assert sorted(lease["pid"] for lease in stats["leases"]) == sorted(worker.pid for worker in attached)
+    for worker in attached:
+        weights = health(worker)["weights"]
+        assert weights["source"] == "ipc" and weights["key"] == manifest.key and weights["fallbacks"] == 0, weights
+        assert memfd_arenas(worker.pid) == cache_arenas  # the cache's memfd (same inode) mapped: no copy
+        anon = proc_status(worker.pid)["RssAnon"]
+        assert disk_anon - anon > 0.8 * arena_bytes, (disk_anon, anon, arena_bytes)
+    return int(arena_bytes)
+
+
 def proc_status(pid: int) -> dict[str, int]:
     """Memory counters of a process, in bytes: RssAnon (private), RssShmem (shared memory it maps), ..."""
     out = {}

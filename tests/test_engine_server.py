@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 from conftest import PROMPT
-from processes import MAX_MODEL_LEN, Worker, start_worker
+from processes import MAX_MODEL_LEN, Worker, launch_worker, start_worker
 
 from cache.uds import bind_unix_socket
 from engine.tokenizer import ChatTokenizer
@@ -471,17 +471,8 @@ def test_bind_replaces_a_stale_socket_but_not_a_live_one_or_a_file(tmp_path: Pat
 
 def test_sigterm_during_start_up_exits_cleanly(model: Path, tmp_path: Path) -> None:
     """A supervisor that gives up on a starting engine gets a clean exit (0), not a kill by signal."""
-    import subprocess
-    import sys
-
-    from processes import REPO
-
-    sock = tmp_path / "engine.sock"
-    config = json.dumps({"model": str(model), "max_num_seqs": 2, "max_model_len": 256})
-    cmd = [sys.executable, "-m", "app.cli", "engine", "--socket", str(sock), "--config", config]
-    log_path = tmp_path / "engine.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    worker = launch_worker(tmp_path, model, max_num_seqs=2, max_model_len=256)
+    proc, sock, log_path = worker.proc, worker.socket, worker.log_path
     # Signal handlers are in place once start-up has begun; torch's import alone takes longer than this wait.
     deadline = time.monotonic() + 60
     while "event=startup phase=begin" not in log_path.read_text() and time.monotonic() < deadline:
@@ -499,16 +490,9 @@ def test_sigterm_during_the_warm_up_is_not_lost(model: Path, tmp_path: Path) -> 
     """A SIGTERM after the engine is built but before the worker serves (its warm-up) still stops it: it was
     once recorded and never acted on, and the supervisor waited drain_timeout + 10 s to kill the worker."""
     import subprocess
-    import sys
 
-    from processes import REPO
-
-    sock = tmp_path / "engine.sock"
-    config = json.dumps({"model": str(model), "device": "cpu", "max_num_seqs": 2, "max_model_len": 256})
-    cmd = [sys.executable, "-m", "app.cli", "engine", "--socket", str(sock), "--config", config]
-    log_path = tmp_path / "engine.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    worker = launch_worker(tmp_path, model, max_num_seqs=2, max_model_len=256)
+    proc, sock, log_path = worker.proc, worker.socket, worker.log_path
     deadline = time.monotonic() + 120
     while "event=startup phase=engine " not in log_path.read_text() and time.monotonic() < deadline:
         assert proc.poll() is None, log_path.read_text()

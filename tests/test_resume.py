@@ -11,14 +11,13 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import openai
 import pytest
-from processes import Gateway, start_gateway
+from processes import Gateway, start_gateway, wait_for
 
 RESUMES = 3  # restart.request_resumes, left at its default
 POISON = "poison-user"
@@ -96,14 +95,6 @@ def _metric(gateway: Gateway, name: str) -> float:
     return 0.0
 
 
-def _wait_for(condition: Any, seconds: float, what: str) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what} within {seconds} s")
-        time.sleep(0.05)
-
-
 def test_streams_and_whole_answers_survive_five_kills_byte_for_byte(gateway: Gateway) -> None:
     client = _client(gateway)
     requests = _requests()
@@ -139,11 +130,11 @@ def test_streams_and_whole_answers_survive_five_kills_byte_for_byte(gateway: Gat
         for kill in range(5):
             seen = progress[0]
             # About 15 tokens per client between kills: a request lives through two or three of them.
-            _wait_for(lambda: progress[0] > seen + 300, 120, "no tokens streamed")  # noqa: B023
+            wait_for(lambda: progress[0] > seen + 300, 120, "no tokens streamed")  # noqa: B023
             pid = gateway.active_pid()
             assert pid is not None
             os.kill(pid, signal.SIGKILL)
-            _wait_for(lambda: _crashes(gateway) > crashes_before + kill, 120, f"kill {kill + 1} was not recovered")  # noqa: B023
+            wait_for(lambda: _crashes(gateway) > crashes_before + kill, 120, f"kill {kill + 1} was not recovered")  # noqa: B023
     finally:
         stop.set()
         for t in threads:
@@ -166,7 +157,7 @@ def test_a_poison_request_fails_after_its_resumes_and_the_others_are_served(gate
 
     thread = threading.Thread(target=poison)
     thread.start()
-    _wait_for(lambda: _crashes(gateway) > crashes, 120, "the poison request did not kill its engine")
+    wait_for(lambda: _crashes(gateway) > crashes, 120, "the poison request did not kill its engine")
     # Requests sent from now on live through at most the poison's remaining RESUMES kills: all are served.
     kind, body = _requests()[0]
     answers = []

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
-from processes import Gateway, proc_status, start_gateway
+from processes import Gateway, proc_status, start_gateway, wait_for
 
 HEALTH_TIMEOUT = 4.0
 
@@ -30,16 +28,6 @@ def gateway(demo_path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gat
     gw.stop()
 
 
-def _wait_for(condition, seconds: float, what: str) -> Any:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.1)
-    pytest.fail(f"{what} within {seconds} s")
-
-
 def _standby(gateway: Gateway, other_than: int | None = None) -> int:
     """The id of a ready standby (not ``other_than``), waiting for one."""
 
@@ -47,7 +35,7 @@ def _standby(gateway: Gateway, other_than: int | None = None) -> int:
         ids = gateway.status()["standbys"]
         return next((i for i in ids if i != other_than), None)
 
-    return int(_wait_for(ready, 120, "a standby was not ready"))
+    return int(wait_for(ready, 120, "a standby was not ready"))
 
 
 def _complete(gateway: Gateway) -> str:
@@ -132,7 +120,7 @@ def test_twenty_restarts_under_load_fail_no_request_and_leave_nothing_behind(gat
     assert done[True] > 20 and done[False] > 20, done
     assert paths["standby"] >= 1, paths
     _standby(gateway)
-    _wait_for(lambda: Counter(e["state"] for e in gateway.status()["engines"]) == {"active": 1, "standby": 1}, 60,
+    wait_for(lambda: Counter(e["state"] for e in gateway.status()["engines"]) == {"active": 1, "standby": 1}, 60,
               "old engines did not go away")  # fmt: skip
     cache = gateway.status()["cache"]
     assert len(cache["leases"]) == 2, cache  # the active engine's and the standby's, no leftovers

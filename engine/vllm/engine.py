@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ from cache.processors import compute_dtype
 from cache.processors.vllm import LOAD_FORMAT, engine_args
 from common.device import resolve_device
 from engine.config import EngineConfig
-from engine.request_stream import Outbox, RequestStream, TokenEvent
+from engine.request_stream import EngineThread, RequestStream, TokenEvent
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import model_eos_ids
 from engine.weights import WeightOrigin
@@ -71,10 +70,11 @@ class _Pending:
     params: Any  # vllm.SamplingParams
 
 
-class VllmEngine:
+class VllmEngine(EngineThread[_Pending]):
     """Build vLLM's engine (blocking; its weights through the warmgate load format), then ``start()``."""
 
     def __init__(self, config: EngineConfig) -> None:
+        super().__init__()
         self.config = config
         self.startup_phases: dict[str, float] = {}
         t = time.perf_counter()
@@ -108,12 +108,7 @@ class VllmEngine:
         origin = self.llm.apply_model(lambda model: model.warmgate_origin)[0]
         self._origin: WeightOrigin = origin
 
-        self._outbox = Outbox()
         self._streams: dict[str, RequestStream] = {}
-        self._inbox: list[_Pending] = []
-        self._wake = threading.Condition()
-        self._stopping = False
-        self._thread: threading.Thread | None = None
         t = time.perf_counter()
         self._warm_up()
         self.startup_phases["warmup"] = time.perf_counter() - t
@@ -154,36 +149,13 @@ class VllmEngine:
         )  # fmt: skip
         stream = RequestStream(request_id or uuid.uuid4().hex, len(prompt_ids), asyncio.get_running_loop(),
                                self._outbox)  # fmt: skip
-        with self._wake:
-            self._inbox.append(_Pending(stream, [*prompt_ids, *output], vllm_params))
-            self._wake.notify()
+        self._enqueue(_Pending(stream, [*prompt_ids, *output], vllm_params))
         return stream
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="warmgate-vllm", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        """Stop stepping; unfinished requests end with 'abort'."""
-        with self._wake:
-            self._stopping = True
-            self._wake.notify()
-        if self._thread is not None:
-            self._thread.join()
-        for stream in [*self._streams.values(), *(p.stream for p in self._inbox)]:
-            stream.push(TokenEvent(None, "abort"))
-        self._outbox.flush()
-        self._streams.clear()
-        self._inbox.clear()
 
     def device_memory_bytes(self) -> int:
         import torch
 
         return int(torch.cuda.memory_reserved(self.device)) if self.device.type == "cuda" else 0
-
-    @property
-    def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
 
     @property
     def num_running(self) -> int:
@@ -213,25 +185,21 @@ class VllmEngine:
         except AttributeError:  # another vLLM layout: /health reports 0 rather than failing
             return None
 
-    # -- the stepping thread -----------------------------------------------------------------
+    # -- the stepping thread (engine/request_stream.py's EngineThread) -----------------------
 
-    def _loop(self) -> None:
-        while True:
-            with self._wake:
-                while not self._stopping and not self._inbox and not self._streams:
-                    self._wake.wait()
-                if self._stopping:
-                    return
-                pending, self._inbox = self._inbox, []
-            try:
-                self._admit(pending)
-                self._abort_cancelled()
-                if self._streams:
-                    self._deliver(self.llm.step())
-            except Exception as exc:  # a failed step fails its requests, not the engine
-                log.exception("event=step_failed")
-                self._fail_all(f"{type(exc).__name__}: {exc}")
-            self._outbox.flush()
+    def _idle(self) -> bool:
+        return not self._streams
+
+    def _work(self, pending: list[_Pending]) -> None:
+        self._admit(pending)
+        self._abort_cancelled()
+        if self._streams:
+            self._deliver(self.llm.step())
+
+    def _abort_all(self) -> None:
+        for stream in [*self._streams.values(), *(p.stream for p in self._inbox)]:
+            stream.push(TokenEvent(None, "abort"))
+        self._streams.clear()
 
     def _admit(self, pending: list[_Pending]) -> None:
         for p in pending:
@@ -264,7 +232,7 @@ class VllmEngine:
                     stream.push(TokenEvent(None, reason))
                 del self._streams[out.request_id]
 
-    def _fail_all(self, error: str) -> None:
+    def _fail(self, error: str) -> None:
         rids = list(self._streams)
         for rid in rids:
             self._streams.pop(rid).push(TokenEvent(None, "error", error=error))

@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 from load import Load
-from processes import REPO, Gateway, start_gateway, wait_until_ready
+from processes import REPO, Gateway, start_gateway, wait_for, wait_until_ready
 
 HEALTH_TIMEOUT = 4.0
 AFTER = 6.0  # seconds of load after recovery whose TTFT is the "after" figure
@@ -87,16 +87,6 @@ def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
 
 
-def _wait_for(condition: Any, seconds: float, what: str) -> Any:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    pytest.fail(f"{what} within {seconds} s")
-
-
 @pytest.fixture(scope="module")
 def suite(demo_path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Suite]:
     s = Suite(tmp_path_factory.mktemp("faults"), demo_path("bf16"))  # the cheapest to rebuild, when the cache dies
@@ -110,7 +100,7 @@ def suite(demo_path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Suite
 
 
 def _standby_ready(s: Suite) -> int:
-    return int(_wait_for(lambda: next(iter(s.gateway.status()["standbys"]), None), 120, "a standby was not ready"))
+    return int(wait_for(lambda: next(iter(s.gateway.status()["standbys"]), None), 120, "a standby was not ready"))
 
 
 def test_kill_9_of_the_active_engine(suite: Suite) -> None:
@@ -118,7 +108,7 @@ def test_kill_9_of_the_active_engine(suite: Suite) -> None:
     crashes = len(suite.restarts("crash"))
     injected = time.monotonic()
     os.kill(suite.gateway.active_pid(), signal.SIGKILL)
-    _wait_for(lambda: len(suite.restarts("crash")) > crashes, 60, "no crash recovery")
+    wait_for(lambda: len(suite.restarts("crash")) > crashes, 60, "no crash recovery")
     recovered = time.monotonic()
     report = suite.restarts("crash")[-1]
     assert report["ok"] and report["path"] == "standby" and report["engine"] == standby, report
@@ -136,11 +126,11 @@ def test_kill_9_of_a_draining_engine(suite: Suite) -> None:
     def draining() -> int | None:
         return next((e["pid"] for e in suite.engines().values() if e["state"] == "draining" and e["pid"] == old), None)
 
-    pid = _wait_for(draining, 60, "the old engine did not drain")
+    pid = wait_for(draining, 60, "the old engine did not drain")
     injected = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     restart.join(timeout=120)
-    _wait_for(lambda: all(e["pid"] != pid for e in suite.engines().values()), 30, "the killed engine stayed listed")
+    wait_for(lambda: all(e["pid"] != pid for e in suite.engines().values()), 30, "the killed engine stayed listed")
     recovered = time.monotonic()
     assert done and done[0].status_code == 200 and done[0].json()["ok"], done
     suite.record("kill -9 of a draining engine", injected, recovered, lost="nothing: its requests resumed")
@@ -153,7 +143,7 @@ def test_a_stopped_engine_is_replaced_within_the_health_timeout(suite: Suite) ->
     injected = time.monotonic()
     os.kill(hung, signal.SIGSTOP)
     try:
-        _wait_for(lambda: len(suite.restarts("crash")) > crashes, HEALTH_TIMEOUT + 30, "the hung engine stayed")
+        wait_for(lambda: len(suite.restarts("crash")) > crashes, HEALTH_TIMEOUT + 30, "the hung engine stayed")
         recovered = time.monotonic()
         assert recovered - injected > HEALTH_TIMEOUT - 1, "replaced before it could have been found silent"
         assert suite.restarts("crash")[-1]["path"] == "standby"
@@ -218,7 +208,7 @@ def test_kill_9_of_the_cache_process(suite: Suite) -> None:
     os.kill(before["pid"], signal.SIGKILL)
     try:
         moved = lambda: [r for r in suite.restarts("cache restarted") if r["ok"]]  # noqa: E731
-        report = _wait_for(moved, 180, "the cache did not come back with the engines on it")[-1]
+        report = wait_for(moved, 180, "the cache did not come back with the engines on it")[-1]
         recovered = time.monotonic()
     finally:
         stop.set()
@@ -227,7 +217,7 @@ def test_kill_9_of_the_cache_process(suite: Suite) -> None:
     assert after["pid"] != before["pid"] and after["key"] == before["key"], after
     assert report["weight_source"] == "ipc", report  # the new engine attached the new cache, no disk read
     _standby_ready(suite)
-    _wait_for(lambda: len(suite.gateway.status()["cache"]["leases"]) == 2, 60, "engines not all on the new cache")
+    wait_for(lambda: len(suite.gateway.status()["cache"]["leases"]) == 2, 60, "engines not all on the new cache")
     assert ready and set(ready) == {200}, ready  # serving went on: engines keep the dead cache's mappings
     suite.record("kill -9 of the cache process", injected, recovered,
                  lost="nothing: engines served on their mappings; the cache was rebuilt from the checkpoint "
@@ -248,7 +238,7 @@ def test_kill_9_of_the_supervisor_keeps_the_model_resident(suite: Suite) -> None
     old.proc.kill()
     old.proc.wait()
     # Its engines and fork server stop by themselves; its cache process stays, with the weights.
-    _wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in engines), 60, "engines outlived the gateway")
+    wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in engines), 60, "engines outlived the gateway")
     assert Path(f"/proc/{cache['pid']}").exists()
     port = int(old.url.rsplit(":", 1)[1])
     cmd = [sys.executable, "-m", "app.cli", "serve", "--config", str(old.config), "--port", str(port),
