@@ -106,8 +106,10 @@ class Supervisor:
             raise ValueError(f"invalid engine override, nothing restarted: {problems}") from None
         keyed = [k for k in ("backend", "device", "dtype") if config[k] != getattr(self.settings.engine, k)]
         if keyed:
-            raise ValueError(f"engine override of {', '.join(keyed)} needs other cached weights: change the config "
-                             "file and reload (a cache for the new settings is built first), nothing restarted")
+            raise ValueError(
+                f"engine override of {', '.join(keyed)} needs other cached weights: change the config "
+                "file and reload (a cache for the new settings is built first), nothing restarted"
+            )
         report = await self.manager.restart(config, strategy, reason="admin")
         return report.to_json()
 

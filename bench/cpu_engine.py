@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.engine_timing import decode_step_seconds
 from cache.checkpoint.demo import build_demo
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.native.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 
 PARAGRAPH = Path(__file__).parent / "data" / "paragraph.txt"

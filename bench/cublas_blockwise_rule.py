@@ -3,7 +3,7 @@
     python3 bench/cublas_blockwise_rule.py --out $OUT     # on a Hopper GPU; writes cublas_blockwise_rule.json
 
 For every M in 1..320 and a few large ones, and (N, K) shapes of llama3-8b, call scaled_mm as
-engine/kernels.py does (activation scales column-major, strides (1, M)) without padding, and
+engine/native/kernels.py does (activation scales column-major, strides (1, M)) without padding, and
 record what is refused. Then the same with rows padded to multiples of 4, 8 and 16, and with only
 the scale's leading dimension padded. The engine pads to the smallest multiple that every M passed.
 """
@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.kernels import quantize_per_token, quantize_per_token_group
+from engine.native.kernels import quantize_per_token, quantize_per_token_group
 
 SHAPES = [(4096, 4096), (6144, 4096), (4096, 14336), (28672, 4096)]
 ROWS = [*range(1, 321), 511, 1000, 1023, 1024, 2047, 4095]

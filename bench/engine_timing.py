@@ -14,7 +14,7 @@ def sync() -> None:
 
 def decode_step_seconds(engine, prompts: list[list[int]], params) -> float:
     """Mean wall time of the engine's scheduler steps once every sequence is decoding (sampling included)."""
-    from engine.scheduler import Sequence
+    from engine.native.scheduler import Sequence
 
     for i, prompt in enumerate(prompts):
         engine.scheduler.add(Sequence(f"b{i}", prompt, params, lambda event: None))

@@ -55,8 +55,8 @@ def timed(fn, iters: int = 50) -> float:
 def kernel_checks() -> None:
     from torch.nn.functional import ScalingType, scaled_mm
 
-    from engine.kernels import fp8_block_scaled_mm, quantize_per_token_group
-    from engine.triton_fp8 import fp8_block_gemm
+    from engine.native.kernels import fp8_block_scaled_mm, quantize_per_token_group
+    from engine.native.triton_fp8 import fp8_block_gemm
 
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -99,7 +99,7 @@ def triton_sweep() -> None:
     """Kernel-only times (CUDA-graph replay) of the Triton kernel's launch choices at decode sizes."""
     from triton.testing import do_bench_cudagraph
 
-    from engine.triton_fp8 import fp8_block_gemm
+    from engine.native.triton_fp8 import fp8_block_gemm
 
     dev = torch.device("cuda")
     rows = []
@@ -147,7 +147,7 @@ def profile_decode(ckpt: Path) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from engine.native.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model=ckpt, device="cuda", max_num_seqs=64, max_model_len=1024,
                                     cuda_graphs=False))  # fmt: skip
@@ -177,9 +177,9 @@ def host_profile(ckpt: Path) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from engine.native.llm_engine import LLMEngine
+    from engine.native.scheduler import Sequence
     from engine.sampling_params import SamplingParams
-    from engine.scheduler import Sequence
 
     engine = LLMEngine(EngineConfig(model=ckpt, device="cuda", max_num_seqs=1, max_model_len=1024))
     params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
@@ -202,7 +202,7 @@ def host_profile(ckpt: Path) -> None:
 
 def engine_variants(ckpt: Path, new_tokens: int) -> None:
     """Decode with cuBLAS scaled_mm for 2 <= M <= 64 instead of the Triton kernel."""
-    import engine.kernels as kernels
+    import engine.native.kernels as kernels
 
     kernels.SMALL_M = 1
     saved = dict(RESULTS)
@@ -216,7 +216,7 @@ def engine_variants(ckpt: Path, new_tokens: int) -> None:
 
 def engine_bench(ckpt: Path, batches: list[int], new_tokens: int) -> None:
     from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from engine.native.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
@@ -289,7 +289,7 @@ def engine_tensors(engine) -> dict[str, torch.Tensor]:
 def cuda_graph_consistency(ckpt: Path) -> None:
     """Greedy tokens with CUDA graphs equal eager decode on the same engine weights."""
     from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from engine.native.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
 
     prompts = [[1, 2, 3, 4, 5] * 6, [7, 8, 9] * 3]
@@ -360,9 +360,9 @@ def main() -> None:
     parser.add_argument("--no-pdl", action="store_true", help="launch decode kernels without PDL (to compare)")
     args = parser.parse_args()
     if args.no_pdl:
-        import engine.fused_ops
+        import engine.native.fused_ops
 
-        engine.fused_ops.PDL = False
+        engine.native.fused_ops.PDL = False
     args.out.mkdir(parents=True, exist_ok=True)
     RESULTS.update(device=torch.cuda.get_device_name(), torch=torch.__version__)
     batches = [1, 16, 64]

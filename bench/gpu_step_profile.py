@@ -20,9 +20,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.native.llm_engine import LLMEngine
+from engine.native.scheduler import Sequence
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Sequence
 
 PARAMS = SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True)
 
@@ -112,7 +112,7 @@ def gemm_table() -> list[dict[str, object]]:
     (rows padded to 4, activations quantized by quantize_groups): microseconds for the four of a layer."""
     from torch.nn.functional import ScalingType, scaled_mm
 
-    from engine.triton_fp8 import fp8_block_gemm, quantize_groups
+    from engine.native.triton_fp8 import fp8_block_gemm, quantize_groups
 
     rows = []
     for m in (1, 4, 8, 16, 24, 32, 48, 64, 96, 128):

@@ -30,9 +30,9 @@ def one_run(model: Path, warm_up_each: bool) -> dict[str, Any]:
     import torch
 
     from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from engine.native.llm_engine import LLMEngine
+    from engine.native.scheduler import Scheduled, Sequence
     from engine.sampling_params import SamplingParams
-    from engine.scheduler import Scheduled, Sequence
 
     config = EngineConfig(model=model, device="cuda", max_num_seqs=64, kv_cache_bytes=8 * 10**9,
                           cuda_graphs=False)  # fmt: skip

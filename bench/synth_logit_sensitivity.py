@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cache.checkpoint.reader import read_checkpoint
 from cache.checkpoint.synth import synth_checkpoint
-from engine.kernels import quantize_per_token_group
-from engine.model import ModelArgs, apply_rope, rms_norm, rope_inv_freq
+from engine.native.kernels import quantize_per_token_group
+from engine.native.model import ModelArgs, apply_rope, rms_norm, rope_inv_freq
 
 POSITIONS = (10, 63, 64, 100, 150, 199)
 

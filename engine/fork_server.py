@@ -50,7 +50,7 @@ def preload(backend: str = "native") -> float:
     import torch
     import uvicorn  # noqa: F401
 
-    import engine.llm_engine
+    import engine.native.llm_engine
     import engine.server
     import engine.tokenizer
     import engine.worker

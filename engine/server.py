@@ -66,7 +66,7 @@ SSE_DONE = "data: [DONE]\n\n"
 
 
 class ServingEngine(Protocol):
-    """What the HTTP API needs of an engine, whatever its backend (engine/llm_engine.py, engine/vllm/engine.py)."""
+    """What the HTTP API needs of an engine, whatever its backend (engine/native/, engine/vllm/)."""
 
     config: EngineConfig
     max_model_len: int

@@ -98,7 +98,7 @@ def _build_engine(config: Any) -> ServingEngine:
         from engine.vllm.engine import VllmEngine
 
         return VllmEngine(config)  # phases: vllm_import, vllm_engine (weights bound from the cache), warmup
-    from engine.llm_engine import LLMEngine
+    from engine.native.llm_engine import LLMEngine
 
     return LLMEngine(config)  # phases: device_init, weight_load, model_init, kv_alloc, cuda_graphs, warmup
 

@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from engine.attention import StepBatch, attention_reference
-from engine.kv_cache import slots_of
+from engine.native.attention import StepBatch, attention_reference
+from engine.native.kv_cache import slots_of
 
 PAGE = 16
 
@@ -45,7 +45,7 @@ def make_batch(specs: list[tuple[int, int]], blocks: int, device: torch.device, 
 
 def check_paged_attention(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, dim: int,
                           tolerance: float) -> None:  # fmt: skip
-    from engine.triton_attention import paged_attention
+    from engine.native.triton_attention import paged_attention
 
     gen = torch.Generator().manual_seed(heads * dim)
     blocks = 96

@@ -147,7 +147,7 @@ def test_attached_tensors_and_layer_metadata_match_processing(demo_path, tmp_pat
 
 def test_key_mismatch_is_refused_and_ipc_or_disk_falls_back(demo_path, tmp_path: Path) -> None:
     from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from engine.native.llm_engine import LLMEngine
     from engine.weights import WeightKeyMismatch
 
     cache = start_cache(tmp_path, demo_path("fp8-block"))

@@ -11,13 +11,13 @@ from cache.checkpoint.reader import read_checkpoint
 from cache.checkpoint.synth import SHAPES, synth_checkpoint
 from cache.processors.native import FP8_DEQUANT, LinearRecipe
 from engine.config import EngineConfig
-from engine.kernels import UnknownKernel, kernel_for
-from engine.kv_cache import BlockAllocator, KVCache, KVCacheSpec
-from engine.llm_engine import LLMEngine
-from engine.model import ModelArgs, Transformer
-from engine.model_runner import ModelRunner
+from engine.native.kernels import UnknownKernel, kernel_for
+from engine.native.kv_cache import BlockAllocator, KVCache, KVCacheSpec
+from engine.native.llm_engine import LLMEngine
+from engine.native.model import ModelArgs, Transformer
+from engine.native.model_runner import ModelRunner
+from engine.native.scheduler import Scheduled, Sequence
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduled, Sequence
 from engine.weights import DiskWeights
 
 PROMPTS = [
@@ -121,7 +121,7 @@ def test_batch_invariance_and_slot_compaction(demo_path, tokenizer) -> None:
 
 
 def _generate_each(engine: LLMEngine, ids: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
-    from engine.scheduler import Sequence
+    from engine.native.scheduler import Sequence
 
     outputs: list[list[int]] = [[] for _ in ids]
     for i, (prompt, p) in enumerate(zip(ids, params, strict=True)):

@@ -19,7 +19,7 @@ BLOCK = LinearScheme(WeightKind.FP8_BLOCK, Activations.DYNAMIC_GROUP)
 @pytest.mark.parametrize(("n", "k"), [(576, 1536), (192, 576), (1024, 2048), (4096, 4096)])
 def test_block_fp8_kernel_matches_dequantized_reference_for_every_m(n: int, k: int) -> None:
     """Every row count 1-300 and a stride up to 4096: both the Triton (small M) and cuBLAS paths."""
-    from engine.kernels import fp8_block_scaled_mm, quantize_per_token_group
+    from engine.native.kernels import fp8_block_scaled_mm, quantize_per_token_group
 
     dev = torch.device("cuda")
     assert select_kernel(BLOCK, dev) == FP8_BLOCK_SCALED_MM
@@ -39,8 +39,8 @@ def test_block_fp8_kernel_matches_dequantized_reference_for_every_m(n: int, k: i
 
 
 def test_fused_group_quantization_is_torch_bit_for_bit() -> None:
-    from engine.kernels import quantize_per_token_group
-    from engine.triton_fp8 import quantize_groups
+    from engine.native.kernels import quantize_per_token_group
+    from engine.native.triton_fp8 import quantize_groups
 
     x = torch.randn(301, 4096, device="cuda", dtype=torch.bfloat16) * 3
     q, s = quantize_groups(x, 304)
@@ -52,8 +52,8 @@ def test_fused_group_quantization_is_torch_bit_for_bit() -> None:
 
 
 def test_fused_norm_and_rope_match_torch() -> None:
-    from engine.fused_ops import add_rms_norm, rope
-    from engine.model import apply_rope, rms_norm
+    from engine.native.fused_ops import add_rms_norm, rope
+    from engine.native.model import apply_rope, rms_norm
 
     dev = torch.device("cuda")
     x = torch.randn(5, 576, device=dev, dtype=torch.bfloat16)
@@ -71,7 +71,7 @@ def test_fused_norm_and_rope_match_torch() -> None:
 
 def test_cuda_graph_decode_equals_eager(tmp_path: Path) -> None:
     from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from engine.native.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
 
     path = synth_checkpoint(tmp_path / "q", "qwen3-0.6b", "fp8-block", num_layers=2, device="cuda", progress=False)
@@ -88,8 +88,8 @@ def test_cuda_graph_decode_equals_eager(tmp_path: Path) -> None:
 
 
 def test_fused_silu_mul_and_strided_rope() -> None:
-    from engine.fused_ops import rope, silu_mul
-    from engine.model import apply_rope
+    from engine.native.fused_ops import rope, silu_mul
+    from engine.native.model import apply_rope
 
     dev = torch.device("cuda")
     gate_up = torch.randn(3, 2 * 1536, device=dev, dtype=torch.bfloat16)
@@ -105,7 +105,7 @@ def test_fused_silu_mul_and_strided_rope() -> None:
 @pytest.mark.parametrize("kind", [WeightKind.FP8_CHANNEL, WeightKind.FP8_TENSOR])
 def test_rowwise_fp8_kernel_matches_dequantized_reference_for_every_m(kind: WeightKind) -> None:
     from cache.processors.native import FP8_ROWWISE_SCALED_MM
-    from engine.kernels import fp8_rowwise_scaled_mm, quantize_per_token
+    from engine.native.kernels import fp8_rowwise_scaled_mm, quantize_per_token
 
     dev = torch.device("cuda")
     scheme = LinearScheme(kind, Activations.DYNAMIC_TOKEN)
@@ -130,7 +130,7 @@ def test_rowwise_fp8_kernel_matches_dequantized_reference_for_every_m(kind: Weig
 def test_split_k_in_kernel_reduction_is_exact_and_repeatable(n: int, k: int, split_k: int) -> None:
     """The last-arriving program sums the split planes: same result as one program over all of K
     (up to fp32 summation order), identical across calls, and the counters re-arm themselves."""
-    from engine.triton_fp8 import _tile_counters, fp8_block_gemm
+    from engine.native.triton_fp8 import _tile_counters, fp8_block_gemm
 
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(n + k)
@@ -148,8 +148,8 @@ def test_split_k_in_kernel_reduction_is_exact_and_repeatable(n: int, k: int, spl
 
 
 def test_fused_rope_kv_write_matches_separate_ops() -> None:
-    from engine.fused_ops import rope_kv_write
-    from engine.model import apply_rope
+    from engine.native.fused_ops import rope_kv_write
+    from engine.native.model import apply_rope
 
     dev = torch.device("cuda")
     heads, kv_heads, dim, t = 8, 2, 128, 70
@@ -181,13 +181,13 @@ def _reference_logits(path: Path, tokens: list[int]) -> torch.Tensor:
     """Every position's logits from a plain-torch fp32 forward over dequantized weights (full causal SDPA),
     with each FP8 layer's input rounded as the W8A8 kernels round it (e4m3 per token and group of 128)."""
     from cache.checkpoint.reader import read_checkpoint
-    from engine.kernels import quantize_per_token_group
+    from engine.native.kernels import quantize_per_token_group
 
     def linear(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         xq, xs = quantize_per_token_group(h)
         return (xq.float().view(h.shape[0], -1, 128) * xs.unsqueeze(-1)).view_as(h) @ weight.t()
 
-    from engine.model import ModelArgs, apply_rope, rms_norm, rope_inv_freq
+    from engine.native.model import ModelArgs, apply_rope, rms_norm, rope_inv_freq
 
     ckpt = read_checkpoint(path)
     sd = ckpt.dequantized_state_dict(torch.float32)
@@ -220,8 +220,8 @@ def _reference_logits(path: Path, tokens: list[int]) -> torch.Tensor:
 
 def _engine_last_logits(engine, prompts: list[list[int]]) -> list[torch.Tensor]:
     """Each prompt's last-position logits, scheduled together through the serving path (chunks, graphs)."""
+    from engine.native.scheduler import Sequence
     from engine.sampling_params import SamplingParams
-    from engine.scheduler import Sequence
 
     seqs = [Sequence(f"p{i}", p, SamplingParams(max_tokens=1), lambda event: None) for i, p in enumerate(prompts)]
     for seq in seqs:
@@ -245,7 +245,7 @@ def test_every_prompt_length_through_the_engine_matches_the_dequantized_referenc
     """llama3-8b shapes (cuBLAS above 64 rows), 2 layers: lengths 1-300, then a stride to 4096, alone
     and as one batch of mixed lengths; prompts longer than the step budget arrive in chunks."""
     from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from engine.native.llm_engine import LLMEngine
 
     path = synth_checkpoint(tmp_path / "l", "llama3-8b", "fp8-block", num_layers=2, device="cuda", progress=False)
     engine = LLMEngine(EngineConfig(model=path, device="cuda", max_num_seqs=32, max_model_len=4200,
@@ -326,7 +326,7 @@ def test_cuda_attach_gives_the_disk_outputs_without_copying_weights(tmp_path: Pa
 
     from cache.client import CacheClient, CacheUnavailable
     from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from engine.native.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
 
     path = synth_checkpoint(tmp_path / "q", "qwen3-0.6b", "fp8-block", num_layers=2, device="cuda", progress=False)

@@ -37,8 +37,8 @@ def test_paged_attention_kernel_matches_reference(heads: int, kv_heads: int, dim
 def test_rope_kv_write_writes_each_token_to_its_slot() -> None:
     _interpreted("""
         import torch
-        from engine.fused_ops import rope_kv_write
-        from engine.model import apply_rope
+        from engine.native.fused_ops import rope_kv_write
+        from engine.native.model import apply_rope
         heads, kv_heads, dim, t = 4, 2, 32, 21
         gen = torch.Generator().manual_seed(0)
         qkv = torch.randn(t, (heads + 2 * kv_heads) * dim, generator=gen)
@@ -58,8 +58,8 @@ def test_rope_kv_write_writes_each_token_to_its_slot() -> None:
 def test_fused_group_quantization_matches_torch() -> None:
     _interpreted("""
         import torch
-        from engine.kernels import quantize_per_token_group
-        from engine.triton_fp8 import quantize_groups
+        from engine.native.kernels import quantize_per_token_group
+        from engine.native.triton_fp8 import quantize_groups
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(7, 384, generator=gen) * torch.tensor([1e-3, 1.0, 300.0]).repeat_interleave(128)
         q, s = quantize_groups(x, 8)  # one padding row, as cuBLAS needs multiples of 4

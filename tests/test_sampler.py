@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampler import sample
+from engine.native.sampler import sample
 from engine.sampling_params import SamplingParams
 
 PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])

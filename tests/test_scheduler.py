@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from engine.kv_cache import BlockAllocator, KVCacheSpec
+from engine.native.kv_cache import BlockAllocator, KVCacheSpec
+from engine.native.scheduler import Scheduler, Sequence
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, Sequence
 
 
 def _seq(name: str, length: int) -> Sequence:

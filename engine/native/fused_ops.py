@@ -2,7 +2,7 @@
 
 A decode step at small batch is mostly tiny kernels; PyTorch spends six to ten launches
 on each RMSNorm or rotary call. These do each in one. The torch versions in
-engine/model.py stay the reference and the CPU path.
+engine/native/model.py stay the reference and the CPU path.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.fused_ops import SMALL_ROWS, pdl_enabled, pdl_enter
+from engine.native.fused_ops import SMALL_ROWS, pdl_enabled, pdl_enter
 
 BLOCK_K = 128
 FP8_MAX = tl.constexpr(448.0)

@@ -21,13 +21,13 @@ from cache.events import log_event
 from cache.processors.native import compute_dtype
 from common.device import resolve_device
 from engine.config import EngineConfig
-from engine.kv_cache import BlockAllocator, KVCache, KVCacheSpec
-from engine.model import ModelArgs, Transformer
-from engine.model_runner import ModelRunner
+from engine.native.kv_cache import BlockAllocator, KVCache, KVCacheSpec
+from engine.native.model import ModelArgs, Transformer
+from engine.native.model_runner import ModelRunner
+from engine.native.sampler import sample, skip_draws
+from engine.native.scheduler import Scheduler, Sequence
 from engine.request_stream import EngineThread, RequestStream, TokenEvent
-from engine.sampler import sample, skip_draws
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, Sequence
 from engine.tokenizer import model_eos_ids
 from engine.weights import LoadedWeights, WeightOrigin, WeightSource, weight_source
 

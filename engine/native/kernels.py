@@ -82,10 +82,10 @@ def fp8_block_scaled_mm(x: torch.Tensor, t: Tensors, r: LinearRecipe) -> torch.T
     xp = _pad_k(x, r)
     nb, kb = t["weight_scale"].shape
     if m <= SMALL_M or nb % 4 or kb % 4:
-        from engine.triton_fp8 import fp8_block_gemm
+        from engine.native.triton_fp8 import fp8_block_gemm
 
         return _finish(fp8_block_gemm(xp.contiguous(), t["weight"], t["weight_scale"]), t, r)
-    from engine.triton_fp8 import quantize_groups
+    from engine.native.triton_fp8 import quantize_groups
 
     pad = -m % CUBLAS_BLOCKWISE_ROWS
     xq, xs = quantize_groups(xp, m + pad)  # as quantize_per_token_group, in one kernel

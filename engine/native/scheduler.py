@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.kv_cache import BlockAllocator
+from engine.native.kv_cache import BlockAllocator
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention import StepBatch
-from engine.kv_cache import KVCache, slots_of
-from engine.model import Transformer
-from engine.scheduler import Scheduled
+from engine.native.attention import StepBatch
+from engine.native.kv_cache import KVCache, slots_of
+from engine.native.model import Transformer
+from engine.native.scheduler import Scheduled
 
 
 def decode_buckets(max_seqs: int) -> list[int]:

@@ -7,7 +7,7 @@ in tiles of BLOCK_N positions, with an online softmax in fp32. Programs past a s
 return at once, so the grid may be an upper bound: a CUDA graph captures it for the largest
 step of its size and replays it for any mix of sequences.
 
-Metadata as engine/attention.py's StepBatch describes it; the torch version there is the reference.
+Metadata as engine/native/attention.py's StepBatch describes it; the torch version there is the reference.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention import StepBatch
+from engine.native.attention import StepBatch
 
 MIN_ROWS = 16  # tl.dot needs at least 16 rows
 

@@ -2,7 +2,7 @@
 
 The model owns no weights of its own: ``bind`` points it at processed tensors (from disk
 or from the cache process) without copying. Linear layers call the kernel their recipe
-names. Attention reads and writes the paged KV cache (engine/kv_cache.py, engine/attention.py).
+names. Attention reads and writes the paged KV cache (engine/native/kv_cache.py, engine/native/attention.py).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import torch.nn.functional as F
 
 from cache.checkpoint.architecture import ModelShape
 from cache.processors.native import LinearRecipe, ProcessedWeights
-from engine.attention import StepBatch, paged_attention
-from engine.kernels import Kernel, kernel_for
-from engine.kv_cache import KVCache
+from engine.native.attention import StepBatch, paged_attention
+from engine.native.kernels import Kernel, kernel_for
+from engine.native.kv_cache import KVCache
 
 
 @dataclass(frozen=True)
@@ -172,7 +172,7 @@ class Transformer:
     def _norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
         """``x += delta`` (the residual stream, in place) and return rms_norm(x) * weight."""
         if self.fused:
-            from engine.fused_ops import add_rms_norm
+            from engine.native.fused_ops import add_rms_norm
 
             return add_rms_norm(x, delta, weight, self.args.rms_norm_eps)
         if delta is not None:
@@ -181,7 +181,7 @@ class Transformer:
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.fused:
-            from engine.fused_ops import rope
+            from engine.native.fused_ops import rope
 
             return rope(x, cos, sin)
         return apply_rope(x, cos, sin)
@@ -200,7 +200,7 @@ class Transformer:
     def _mlp(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
         gate, up = layer.gate_up(h)
         if self.fused:
-            from engine.fused_ops import silu_mul
+            from engine.native.fused_ops import silu_mul
 
             return layer.down(silu_mul(gate, up))
         return layer.down(F.silu(gate) * up)
@@ -227,7 +227,7 @@ class Transformer:
         def attention(i: int, layer: Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
             merged = self._fusable_qkv(layer)
             if merged is not None:
-                from engine.fused_ops import rope_kv_write
+                from engine.native.fused_ops import rope_kv_write
 
                 q = rope_kv_write(merged(h), cos, sin, kv.k[i], kv.v[i], batch.slots, s.heads, s.kv_heads)
             else:

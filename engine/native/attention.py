@@ -5,7 +5,7 @@ Its context is seq_lens[s] tokens (this step's included, already written to the 
 of its n query rows sits at position seq_lens[s] - n + i and sees keys 0..that position. Decode is
 the case n = 1; a fresh prompt is n = seq_lens[s]; a later chunk of a long prompt is in between.
 
-CUDA runs one Triton kernel for every case (engine/triton_attention.py); the CPU path below is
+CUDA runs one Triton kernel for every case (engine/native/triton_attention.py); the CPU path below is
 plain torch, one SDPA call per sequence, and is the reference the kernel is tested against.
 """
 
@@ -38,7 +38,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     scale: float) -> torch.Tensor:  # fmt: skip
     """q [T, heads, d] against one layer's cache [slots, kv_heads, d] -> [T, heads * d]."""
     if q.is_cuda:
-        from engine.triton_attention import paged_attention as triton_paged_attention
+        from engine.native.triton_attention import paged_attention as triton_paged_attention
 
         return triton_paged_attention(q, k_cache, v_cache, batch, scale)
     return attention_reference(q, k_cache, v_cache, batch, scale)
