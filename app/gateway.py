@@ -304,7 +304,9 @@ def create_gateway(state: GatewayState) -> FastAPI:
             return openai_error(exc.status, str(exc))
         except ValueError as exc:
             return openai_error(400, str(exc))
-        return JSONResponse(report, status_code=200 if report["ok"] else 500)
+        # A restart that failed is not a server error: the gateway serves on (the old engine, or the last good
+        # config under `replace`); 422 says the engine asked for could not be started, the report says why.
+        return JSONResponse(report, status_code=200 if report["ok"] else 422)
 
     @app.post("/admin/reload")
     async def admin_reload(request: Request) -> Response:
@@ -314,7 +316,7 @@ def create_gateway(state: GatewayState) -> FastAPI:
             report = await state.reload()
         except ValueError as exc:
             return openai_error(400, f"config not reloaded, nothing changed: {exc}")
-        return JSONResponse(report, status_code=200 if report.get("ok", True) else 500)
+        return JSONResponse(report, status_code=200 if report.get("ok", True) else 422)
 
     @app.get("/admin/status")
     async def admin_status(request: Request) -> Response:

@@ -438,13 +438,13 @@ def test_a_failed_start_leaves_the_engine_serving_and_sighup_reloads(gateway: Ga
     before = gateway.admin("GET", "/admin/status").json()["active"]
     # An engine that cannot start (no room for one sequence in its KV cache) is reported; nothing changes.
     failed = gateway.admin("POST", "/admin/restart", json={"engine": {"kv_cache_bytes": 1}})
-    assert failed.status_code == 500 and failed.json()["ok"] is False
+    assert failed.status_code == 422 and failed.json()["ok"] is False
     assert "kv_cache_bytes=1 cannot hold one sequence" in failed.json()["error"]
     assert gateway.admin("GET", "/admin/status").json()["active"] == before
     assert gateway.client().completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2).usage is not None
     # With `replace` the old engine is gone before the new one fails: the last good config comes back.
     failed = gateway.admin("POST", "/admin/restart", json={"strategy": "replace", "engine": {"kv_cache_bytes": 1}})
-    assert failed.status_code == 500 and failed.json()["ok"] is False
+    assert failed.status_code == 422 and failed.json()["ok"] is False
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         restarts = gateway.admin("GET", "/admin/status").json()["restarts"]

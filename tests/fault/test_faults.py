@@ -162,7 +162,7 @@ def test_an_engine_that_cannot_start_leaves_the_old_one_serving(suite: Suite) ->
     # KV cache for 100,000 sequences of 256 tokens: about 1 TB, which no allocation here can hold.
     response = suite.gateway.admin("POST", "/admin/restart", json={"engine": {"max_num_seqs": 100_000}})
     recovered = time.monotonic()
-    assert response.status_code == 500, response.text  # the admin API's answer to a failed restart: its report
+    assert response.status_code == 422, response.text  # the admin API's answer to a failed restart: its report
     report = response.json()
     assert not report["ok"] and "Cannot allocate memory" in report["error"], report
     assert suite.gateway.status()["active"] == active
