@@ -1,4 +1,5 @@
-"""Gateway settings: a TOML file, then WARMGATE_* environment variables over it, validated by pydantic.
+"""Gateway settings: a TOML file, WARMGATE_* environment variables over it, command-line flags over both,
+validated by pydantic.
 
     [gateway]            host, port, api_keys, admin_token
     [engine]             device, dtype, max_num_seqs, max_model_len, kv_cache_bytes, weights, ...
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
 from common.settings import EngineSettings
 
@@ -72,7 +73,7 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return env_settings, init_settings  # the environment overrides the file
+        return (init_settings,)  # load_settings layers the file, the environment and the command line
 
     def engine_config(self, model: Path, cache_socket: Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
         """The JSON config for one engine worker (engine/config.py's EngineConfig).
@@ -89,7 +90,8 @@ class Settings(BaseSettings):
 
 
 def load_settings(path: Path | None, **overrides: Any) -> Settings:
-    """Settings from a TOML file (optional) with command-line overrides; ConfigError names what is wrong."""
+    """Settings from a TOML file (optional), the WARMGATE_* environment over it, and command-line ``overrides``
+    (dotted keys, None for a flag not given) over both; ConfigError names what is wrong."""
     data: dict[str, Any] = {}
     if path is not None:
         try:
@@ -98,16 +100,30 @@ def load_settings(path: Path | None, **overrides: Any) -> Settings:
             raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    flags: dict[str, Any] = {}
     for key, value in overrides.items():
         if value is not None:
             section, _, field = key.partition(".")
             if field:
-                data.setdefault(section, {})[field] = value
+                flags.setdefault(section, {})[field] = value
             else:
-                data[key] = value
+                flags[key] = value
     try:
-        return Settings(**data)
+        environment = EnvSettingsSource(Settings)()  # WARMGATE_* as pydantic-settings reads them, nested
+        return Settings(**_layered(data, environment, flags))
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         raise ConfigError(f"{path or 'settings'}: {where}: {first['msg']}") from None
+
+
+def _layered(*layers: dict[str, Any]) -> dict[str, Any]:
+    """The layers merged, each over the ones before it; sections ([engine], ...) merged key by key."""
+    merged: dict[str, Any] = {}
+    for layer in layers:
+        for key, value in layer.items():
+            if isinstance(value, dict) and isinstance(merged.get(key), dict):
+                merged[key] = _layered(merged[key], value)
+            else:
+                merged[key] = value
+    return merged

@@ -1,4 +1,4 @@
-"""Gateway settings: TOML file, WARMGATE_* environment over it, one-line errors."""
+"""Gateway settings: TOML file, WARMGATE_* environment over it, command-line flags over both, one-line errors."""
 
 from __future__ import annotations
 
@@ -20,6 +20,19 @@ def test_environment_overrides_the_file(tmp_path: Path, monkeypatch: pytest.Monk
     engine = settings.engine_config(Path("/models/a"), Path("/run/cache.sock"), {"max_num_seqs": 2})
     assert engine["max_num_seqs"] == 2 and engine["cache_socket"] == "/run/cache.sock"
     assert engine["weights"] == "ipc-or-disk"
+
+
+def test_the_command_line_overrides_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # As in the images, which set WARMGATE_GATEWAY__HOST and __PORT: `warmgate serve --port` must still win.
+    config = tmp_path / "warmgate.toml"
+    config.write_text('[gateway]\nport = 9000\nhost = "10.0.0.1"\n[engine]\nmax_num_seqs = 8\n')
+    monkeypatch.setenv("WARMGATE_GATEWAY__PORT", "9100")
+    monkeypatch.setenv("WARMGATE_GATEWAY__HOST", "0.0.0.0")
+    settings = load_settings(config, **{"gateway.port": 9200, "gateway.host": None, "model": None})
+    assert (settings.gateway.port, settings.gateway.host) == (9200, "0.0.0.0")  # flag, then environment
+    assert settings.engine.max_num_seqs == 8  # the file's, in the same section as nothing else set
+    with pytest.raises(ConfigError, match=r"gateway\.port"):
+        load_settings(config, **{"gateway.port": 70000})
 
 
 @pytest.mark.parametrize(
