@@ -39,6 +39,7 @@ from typing import Any, Protocol
 
 import httpx
 
+from app.config import RestartSettings
 from app.fork_client import ForkServer, ForkServerUnavailable
 from app.terminate import terminate
 from cache.events import log_event
@@ -148,19 +149,13 @@ class _Request:
 
 
 class EngineManager:
-    def __init__(self, run_dir: Path, start_timeout: float, drain_timeout: float, crash_backoff: float,
-                 crash_backoff_max: float, metrics: Any = None, forker: ForkServer | None = None, standby: int = 0,
-                 health_interval: float = 1.0, health_timeout: float = 10.0) -> None:  # fmt: skip
+    def __init__(
+        self, run_dir: Path, limits: RestartSettings, metrics: Any = None, forker: ForkServer | None = None
+    ) -> None:
         self.run_dir = run_dir
         self.forker = forker
-        self.standby_count = standby
-        self.health_interval = health_interval
-        self.health_timeout = health_timeout
+        self.limits = limits
         self.standbys: list[Engine] = []
-        self.start_timeout = start_timeout
-        self.drain_timeout = drain_timeout
-        self.crash_backoff = crash_backoff
-        self.crash_backoff_max = crash_backoff_max
         self.metrics = metrics
         self.engines: dict[int, Engine] = {}
         self.active: Engine | None = None
@@ -171,9 +166,9 @@ class EngineManager:
         self._requests: deque[_Request] = deque()
         self._config: dict[str, Any] = {}  # the desired config: the last one an active engine started with
         self._lost = "crash"  # why no engine is active, when none is: the reason of the recovery's report
-        self._recovery_delay = crash_backoff
+        self._recovery_delay = limits.crash_backoff
         self._recover_after = 0.0  # monotonic time before which a failed recovery is not retried
-        self._standby_delay = crash_backoff
+        self._standby_delay = limits.crash_backoff
         self._standby_after = 0.0
         self._building: asyncio.Task[None] | None = None  # the standby being started
         self._tasks: set[asyncio.Task[Any]] = set()  # watchers, drains, builds
@@ -214,9 +209,10 @@ class EngineManager:
         self._wake.set()
         return await done
 
-    def set_desired(self, standby: int, health_interval: float, health_timeout: float) -> None:
-        """New restart settings (a reload): the loop starts or retires standbys to match."""
-        self.standby_count, self.health_interval, self.health_timeout = standby, health_interval, health_timeout
+    def configure(self, limits: RestartSettings) -> None:
+        """New [restart] settings (a reload): timeouts and backoffs apply from the next use; the loop starts or
+        retires standbys to match."""
+        self.limits = limits
         self._wake.set()
 
     async def close(self) -> None:
@@ -263,17 +259,17 @@ class EngineManager:
                     why = f"{type(exc).__name__}: {exc}"
                     failed = RestartReport(request.reason, request.strategy, False, error=why)
                     self._done(failed, time.perf_counter(), request.done)
-                self._wake_in(self.crash_backoff)
+                self._wake_in(self.limits.crash_backoff)
             if self._requests:
                 self._wake.set()
 
     def _after_attempt(self, report: RestartReport) -> None:
         """Backoff bookkeeping: a failed attempt that leaves nothing serving is retried later, slower each time."""
         if report.ok:
-            self._recovery_delay = self.crash_backoff
+            self._recovery_delay = self.limits.crash_backoff
         elif self.active is None:
             self._recover_after = time.monotonic() + self._recovery_delay
-            self._recovery_delay = min(self._recovery_delay * 2, self.crash_backoff_max)
+            self._recovery_delay = min(self._recovery_delay * 2, self.limits.crash_backoff_max)
             self._wake_in(self._recover_after - time.monotonic())
 
     def _wake_in(self, seconds: float) -> None:
@@ -340,10 +336,10 @@ class EngineManager:
     def _reconcile_standbys(self) -> None:
         """Retire standbys of another config or beyond the wanted number; start one when one is missing."""
         current = [e for e in self.standbys if e.config == self._config]
-        for stale in [e for e in self.standbys if e.config != self._config] + current[self.standby_count :]:
+        for stale in [e for e in self.standbys if e.config != self._config] + current[self.limits.standby :]:
             self.standbys.remove(stale)
             self._background(self._retire(stale))
-        missing = self.standby_count - len(self.standbys)
+        missing = self.limits.standby - len(self.standbys)
         if missing <= 0 or self._building is not None or self.active is None or self._closing:
             return
         wait = self._standby_after - time.monotonic()
@@ -359,12 +355,12 @@ class EngineManager:
         except EngineStartError as exc:
             log_event(log, "standby_failed", error=exc)
             self._standby_after = time.monotonic() + self._standby_delay
-            self._standby_delay = min(self._standby_delay * 2, self.crash_backoff_max)
+            self._standby_delay = min(self._standby_delay * 2, self.limits.crash_backoff_max)
             return
         finally:
             self._building = None
             self._wake.set()
-        self._standby_delay = self.crash_backoff
+        self._standby_delay = self.limits.crash_backoff
         if config != self._config or self._closing:  # the config changed while it started
             await self._retire(engine)
             return
@@ -390,7 +386,7 @@ class EngineManager:
                 return None
             self.standbys.remove(standby)
             try:
-                await asyncio.wait_for(self._probe(standby), min(self.start_timeout, 30))
+                await asyncio.wait_for(self._probe(standby), min(self.limits.start_timeout, 30))
                 return standby
             except (TimeoutError, EngineStartError, httpx.HTTPError) as exc:
                 log_event(log, "standby_refused", engine=standby.id, error=f"{type(exc).__name__}: {exc}")
@@ -401,7 +397,7 @@ class EngineManager:
         """Poll every running engine's /health; one that has not answered for health_timeout is killed."""
         last_answer: dict[int, float] = {}
         while not self._closing:
-            await asyncio.sleep(self.health_interval)
+            await asyncio.sleep(self.limits.health_interval)
             engines = [e for e in self.engines.values() if e.state in (EngineState.ACTIVE, EngineState.STANDBY)]
             results = await asyncio.gather(*(self._answers(e) for e in engines))
             now = time.monotonic()
@@ -409,7 +405,7 @@ class EngineManager:
                 seen = last_answer.setdefault(engine.id, now)
                 if answered:
                     last_answer[engine.id] = now
-                elif now - seen > self.health_timeout and engine.process.returncode is None:
+                elif now - seen > self.limits.health_timeout and engine.process.returncode is None:
                     log_event(log, "engine_hung", engine=engine.id, pid=engine.process.pid, silent_s=now - seen)
                     with contextlib.suppress(ProcessLookupError):
                         engine.process.kill()  # its watcher takes it from here, as for a crash
@@ -418,7 +414,7 @@ class EngineManager:
 
     async def _answers(self, engine: Engine) -> bool:
         try:
-            response = await engine.http().get("/health", timeout=self.health_interval + 1)
+            response = await engine.http().get("/health", timeout=self.limits.health_interval + 1)
         except (httpx.HTTPError, OSError):
             return False
         if response.status_code == 200:
@@ -452,13 +448,13 @@ class EngineManager:
         report.phases["spawn"] = time.perf_counter() - t
         try:
             t = time.perf_counter()
-            await asyncio.wait_for(self._until_healthy(engine), self.start_timeout)
+            await asyncio.wait_for(self._until_healthy(engine), self.limits.start_timeout)
             report.phases["init"] = time.perf_counter() - t
             for phase in ("weight_load", "model_init", "kv_alloc", "cuda_graphs", "warmup"):
                 if phase in engine.health.get("startup_phases", {}):
                     report.phases[phase] = engine.health["startup_phases"][phase]
             t = time.perf_counter()
-            await asyncio.wait_for(self._probe(engine), self.start_timeout)
+            await asyncio.wait_for(self._probe(engine), self.limits.start_timeout)
             report.phases["probe"] = time.perf_counter() - t
         except (TimeoutError, EngineStartError, httpx.HTTPError) as exc:
             engine.state = EngineState.FAILED
@@ -502,7 +498,7 @@ class EngineManager:
     async def _probe(self, engine: Engine) -> None:
         """A real 1-token generation: the engine can serve, not merely answer /health."""
         body = {"prompt": "Hello", "max_tokens": 1, "temperature": 0}
-        response = await engine.http().post("/v1/completions", json=body, timeout=self.start_timeout)
+        response = await engine.http().post("/v1/completions", json=body, timeout=self.limits.start_timeout)
         if response.status_code != 200:
             raise EngineStartError(f"probe answered {response.status_code}: {response.text[:200]}")
 
@@ -511,13 +507,13 @@ class EngineManager:
         engine.state = EngineState.DRAINING
         self._count_states()
         with contextlib.suppress(httpx.HTTPError, TimeoutError):
-            await asyncio.wait_for(engine.http().post("/drain", json={"timeout": self.drain_timeout}),
-                                   self.drain_timeout + 5)  # fmt: skip
+            await asyncio.wait_for(engine.http().post("/drain", json={"timeout": self.limits.drain_timeout}),
+                                   self.limits.drain_timeout + 5)  # fmt: skip
         await self._stop(engine)
 
     async def _stop(self, engine: Engine, final: EngineState = EngineState.STOPPED) -> None:
         # Callers set DRAINING or FAILED first (close() sets _closing): the crash watcher ignores this exit.
-        await terminate(engine.process, self.drain_timeout + 10)
+        await terminate(engine.process, self.limits.drain_timeout + 10)
         if engine.client is not None:
             await engine.client.aclose()
         engine.socket.unlink(missing_ok=True)

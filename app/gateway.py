@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app.config import RestartSettings
 from app.engines import Engine, EngineManager
 from app.metrics import GatewayMetrics
 from app.openapi import document_bodies
@@ -58,6 +59,13 @@ class GatewayState:
     waiting: int = 0
     scrape: Callable[[], Awaitable[object]] | None = None  # refreshes gauges read elsewhere (the cache's) for /metrics
     cache_down: Callable[[], str | None] = lambda: None  # why the cache process is not serving, if it is not
+
+    def configure(self, api_keys: list[str], max_body_bytes: int, restart: RestartSettings) -> None:
+        """Settings a reload changes at once."""
+        self.api_keys, self.max_body_bytes = api_keys, max_body_bytes
+        self.queue_timeout = restart.queue_timeout
+        self.max_queue = restart.max_queue
+        self.resumes = restart.request_resumes
 
 
 def create_gateway(state: GatewayState) -> FastAPI:

@@ -51,6 +51,7 @@ class Supervisor:
         self.metrics = metrics
         self.caches_started = 1
         self.cache_down: str | None = None  # why the cache process is not serving, while it is restarted
+        self.gateway: GatewayState | None = None  # the HTTP side, once it serves: a reload sets its limits too
 
     def _next_socket(self) -> Path:
         """A socket path no cache in the run dir uses (an adopted cache may hold a later number)."""
@@ -60,7 +61,7 @@ class Supervisor:
             if not path.exists():
                 return path
 
-    async def watch_cache(self, backoff: float, backoff_max: float) -> None:
+    async def watch_cache(self) -> None:
         """Keep a cache process serving: when the current one exits (not replaced by a reload), start another
         on a new socket, then roll the engines onto it.
 
@@ -68,7 +69,7 @@ class Supervisor:
         which the kernel keeps while they are mapped. Only an engine start needs the cache (``ipc`` fails,
         ``ipc-or-disk`` reads the checkpoint). The roll returns memory to one copy of the weights.
         """
-        wait = backoff
+        wait = self.settings.restart.crash_backoff
         while True:
             handle = self.cache
             code = await handle.wait_exit()
@@ -85,8 +86,8 @@ class Supervisor:
                     self.cache_down = f"the cache process exited and does not restart: {exc}"
                     events.log_event(log, "cache_restart_failed", reason=exc, retry_in=wait)
                     await asyncio.sleep(wait)
-                    wait = min(wait * 2, backoff_max)
-            self.cache, self.cache_down, wait = cache, None, backoff
+                    wait = min(wait * 2, self.settings.restart.crash_backoff_max)
+            self.cache, self.cache_down, wait = cache, None, self.settings.restart.crash_backoff
             events.log_event(log, "cache_restarted", pid=cache.pid, key=cache.key[:12])
             config = self.settings.engine_config(self.model, cache.socket)
             report = await self.manager.restart(config, "overlap", reason="cache restarted")
@@ -146,10 +147,16 @@ class Supervisor:
         return {"changed": None, "ok": True}
 
     def _apply(self, new: Settings) -> None:
-        # Gateway host/port and the run dir take effect at the next start; the rest now.
-        self.settings = new.model_copy(update={"gateway": self.settings.gateway, "run_dir": self.settings.run_dir})
-        r = self.settings.restart
-        self.manager.set_desired(r.standby, r.health_interval, r.health_timeout)
+        """The new settings, now; those a running gateway cannot change (its address, admin token, run dir and
+        fork server) at the next start."""
+        old = self.settings
+        kept = {"host": old.gateway.host, "port": old.gateway.port, "admin_token": old.gateway.admin_token}
+        restart = new.restart.model_copy(update={"fork_server": old.restart.fork_server})
+        self.settings = new.model_copy(update={"gateway": new.gateway.model_copy(update=kept), "run_dir": old.run_dir,
+                                               "restart": restart})  # fmt: skip
+        self.manager.configure(self.settings.restart)
+        if self.gateway is not None:
+            self.gateway.configure(self.settings.gateway.api_keys, self.settings.gateway.max_body_bytes, restart)
 
     async def status(self) -> dict[str, Any]:
         """The status document: the model, the cache, the engines and the last restarts."""
@@ -220,19 +227,19 @@ async def _serve(settings: Settings, config_path: Path | None, overrides: dict[s
         if forker is not None:
             await forker.stop()
         raise
-    manager = EngineManager(run_dir, r.start_timeout, r.drain_timeout, r.crash_backoff, r.crash_backoff_max, metrics,
-                            forker, r.standby, r.health_interval, r.health_timeout)  # fmt: skip
+    manager = EngineManager(run_dir, r, metrics, forker)
     supervisor = Supervisor(settings, config_path, overrides, model, cache, manager, metrics)
     watcher: asyncio.Task[None] | None = None
     try:
         report = await manager.start_first(settings.engine_config(model, cache.socket))
         if not report.ok:
             raise RuntimeError(f"the first engine did not start: {report.error}")
-        watcher = asyncio.create_task(supervisor.watch_cache(r.crash_backoff, r.crash_backoff_max))
+        watcher = asyncio.create_task(supervisor.watch_cache())
         state = GatewayState(manager, metrics, settings.gateway.api_keys, token, r.queue_timeout, r.max_queue,
                              r.request_resumes, settings.gateway.max_body_bytes, supervisor.restart,
                              supervisor.reload, supervisor.status, scrape=supervisor.cache_stats,
                              cache_down=lambda: supervisor.cache_down)  # fmt: skip
+        supervisor.gateway = state
         app = create_gateway(state)
         config = uvicorn.Config(app, host=settings.gateway.host, port=settings.gateway.port, log_config=None,
                                 log_level="warning", access_log=False, lifespan="off")  # fmt: skip

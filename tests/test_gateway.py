@@ -32,13 +32,13 @@ class Gateway(processes.Gateway):
 
 
 def write_config(path: Path, model: Path, max_num_seqs: int = 8, default_max_tokens: int = 256,
-                 dtype: str = "auto") -> None:  # fmt: skip
+                 dtype: str = "auto", api_key: str = API_KEY) -> None:  # fmt: skip
     path.write_text(
         f'model = "{model}"\nserved_model_name = "{MODEL_NAME}"\n\n'
         f"[engine]\nmax_num_seqs = {max_num_seqs}\nmax_model_len = 512\ndefault_max_tokens = {default_max_tokens}\n"
         f'dtype = "{dtype}"\n\n'
         '[restart]\nstrategy = "overlap"\ndrain_timeout = 30\nqueue_timeout = 120\n\n'
-        f'[gateway]\napi_keys = ["{API_KEY}"]\n'
+        f'[gateway]\napi_keys = ["{api_key}"]\n'
     )
 
 
@@ -408,6 +408,25 @@ def _fork_server_pid(gateway: Gateway) -> int | None:
             except OSError:
                 continue
     return None
+
+
+def test_a_reload_rotates_api_keys_without_a_restart(gateway: Gateway, model: Path) -> None:
+    assert gateway.config is not None
+    engines = [(e["id"], e["pid"]) for e in gateway.status()["engines"]]
+    write_config(gateway.config, model, api_key="sk-rotated")
+    try:
+        reload = gateway.admin("POST", "/admin/reload")
+        assert reload.status_code == 200 and reload.json() == {"changed": None, "ok": True}, reload.text
+        body = {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 1}
+        old = httpx.post(f"{gateway.url}/v1/completions", json=body, headers=AUTH, timeout=60)
+        assert old.status_code == 401 and old.json()["error"]["type"] == "authentication_error", old.text
+        new = httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=60,
+                         headers={"authorization": "Bearer sk-rotated"})  # fmt: skip
+        assert new.status_code == 200, new.text
+        assert [(e["id"], e["pid"]) for e in gateway.status()["engines"]] == engines, "no engine was restarted"
+    finally:
+        write_config(gateway.config, model)
+        assert gateway.admin("POST", "/admin/reload").json() == {"changed": None, "ok": True}
 
 
 def test_engines_are_forked_from_the_fork_server_and_spawned_while_it_is_gone(gateway: Gateway) -> None:
