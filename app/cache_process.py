@@ -78,6 +78,11 @@ class CacheHandle:
             await asyncio.sleep(poll)
         return None
 
+    def remove_stale_socket(self) -> None:
+        """The socket file of a cache process that died without removing it (kill -9), if nobody listens on it."""
+        if _stale(self.socket):
+            self.socket.unlink(missing_ok=True)
+
     async def stop(self) -> None:
         """Stop the cache process, ours or adopted; engines that attached keep their mappings."""
         if self.process is not None:

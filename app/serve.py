@@ -75,6 +75,7 @@ class Supervisor:
             code = await handle.wait_exit()
             if handle is not self.cache:
                 continue  # a reload replaced it and stopped it on purpose
+            handle.remove_stale_socket()
             self.cache_down = f"the cache process (pid {handle.pid}) exited with {code}; restarting it"
             self.metrics.cache_restarts.inc()
             events.log_event(log, "cache_exited", pid=handle.pid, code=code, socket=handle.socket)

@@ -215,6 +215,7 @@ def test_kill_9_of_the_cache_process(suite: Suite) -> None:
         poller.join()
     after = suite.gateway.status()["cache"]
     assert after["pid"] != before["pid"] and after["key"] == before["key"], after
+    assert not Path(before["socket"]).exists(), "the dead cache's socket was left in the run dir"
     assert report["weight_source"] == "ipc", report  # the new engine attached the new cache, no disk read
     _standby_ready(suite)
     wait_for(lambda: len(suite.gateway.status()["cache"]["leases"]) == 2, 60, "engines not all on the new cache")
