@@ -25,6 +25,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Fail loudly where pytest-xdist's loadgroup cannot group (it renames grouped tests' node ids, which some pytest
+    versions ignore: pytest-dev/pytest-xdist#1386): ungrouped, module resources would start on several workers."""
+    if not session.config.getoption("loadgroup", default=False):
+        return
+    for item in session.items:
+        if item.get_closest_marker("xdist_group") is not None and "@" not in item.nodeid:
+            raise pytest.UsageError(f"pytest-xdist did not group {item.nodeid} (--dist loadgroup): see pyproject.toml")
+
+
 def _holds_a_module_resource(item: pytest.Item) -> bool:
     """Whether the test uses a module-scoped fixture with a teardown (an engine, a gateway it started).
 
