@@ -1,6 +1,6 @@
 """Run the fault-injection suite (tests/fault/) and write its report, docs/reliability.md.
 
-    .venv/bin/python bench/fault_report.py            # CPU, the fp8-block demo; about 5 minutes here
+    .venv/bin/python bench/fault_report.py            # CPU, the bf16 demo; about 3 minutes here
 
 Each fault's row comes from the suite's own measurements (tests/fault/test_faults.py: ``Suite.record``).
 """
@@ -84,12 +84,12 @@ def _cell(value: float | None) -> str:
 FOOTER = """
 What the suite asserts besides the table: a kill -9 of the active engine and a SIGSTOP are answered by
 promoting the standby (the hung one only after `health_timeout`, and its log says `engine_hung`); the
-failed start names the allocation that failed and leaves the active engine in place; after the cache
-process is killed `/ready` answers 200 throughout (polled every 0.2 s), the new cache has the same key,
-the engines that replace the old ones attach it (`weight_source = ipc`) and both hold leases on it;
-after the supervisor is killed its engines and fork server stop by themselves, its cache process stays,
-the next `warmgate serve` on the run dir adopts it (same pid, the cache log shows no second load) and
-its engine attaches from it.
+failed start (HTTP 422 with its report) names the allocation that failed and leaves the active engine in
+place; after the cache process is killed `/ready` answers 200 throughout (polled every 0.2 s), the new
+cache has the same key, the dead cache's socket is gone from the run dir, the engines that replace the old
+ones attach it (`weight_source = ipc`) and both hold leases on it; after the supervisor is killed its
+engines and fork server stop by themselves, its cache process stays, the next `warmgate serve` on the run
+dir adopts it (same pid, the cache log shows no second load) and its engine attaches from it.
 
 What is not covered: a machine reboot (the cache lives in memory, and a reboot loses it), running out of
 memory while serving (the kernel's OOM killer picks a process; its recovery is that of a kill -9 of that
