@@ -80,8 +80,7 @@ class CacheHandle:
 
     def remove_stale_socket(self) -> None:
         """The socket file of a cache process that died without removing it (kill -9), if nobody listens on it."""
-        if _stale(self.socket):
-            self.socket.unlink(missing_ok=True)
+        _remove_if_stale(self.socket)
 
     async def stop(self) -> None:
         """Stop the cache process, ours or adopted; engines that attached keep their mappings."""
@@ -112,8 +111,7 @@ async def adopt_or_start(spec: CacheSpec, run_dir: Path, socket: Path, log_path:
     key = _key(spec)
     adopted: CacheHandle | None = None
     for path in sorted(run_dir.glob("cache*.sock")):
-        if _stale(path):  # left by a cache process that was killed
-            path.unlink(missing_ok=True)
+        if _remove_if_stale(path):  # left by a cache process that was killed
             continue
         with contextlib.suppress(CacheUnavailable, CacheRefused), CacheClient(path, name="gateway") as client:
             pid = client.hello.get("pid")
@@ -124,6 +122,14 @@ async def adopt_or_start(spec: CacheSpec, run_dir: Path, socket: Path, log_path:
             log_event(log, "cache_stale", socket=path, pid=pid, key=str(client.hello["key"])[:12])
             await CacheHandle(spec, path, str(client.hello["key"]), None, pid).stop()
     return adopted or await start_or_adopt(spec, socket, log_path)
+
+
+def _remove_if_stale(path: Path) -> bool:
+    """Remove ``path`` if it is a socket file nobody listens on; whether it was."""
+    if not _stale(path):
+        return False
+    path.unlink(missing_ok=True)
+    return True
 
 
 def _stale(path: Path) -> bool:
