@@ -90,7 +90,16 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for in-flight requests before exiting"
     )
+    engine.add_argument("--heartbeat", type=Path, help="a heartbeat file (made by the supervisor) to stamp while "
+                        "the engine makes progress: its liveness signal")  # fmt: skip
     engine.set_defaults(run=_engine)
+
+    relay = commands.add_parser("relay", help=argparse.SUPPRESS)  # started by `warmgate serve`, one per worker
+    relay.add_argument("--control", type=Path, required=True, help="the supervisor's control socket")
+    relay.add_argument("--listen-fd", type=int, required=True, help="the inherited listening socket's descriptor")
+    relay.add_argument("--index", type=int, required=True, help="this relay's number (0 .. workers-1)")
+    relay.add_argument("--drain-timeout", type=float, default=30.0, help="seconds requests get to finish on SIGTERM")
+    relay.set_defaults(run=_relay)
 
     forks = commands.add_parser("fork-server", help="pre-import torch and the engine, then fork engine workers")
     forks.add_argument("--socket", type=Path, required=True, help="Unix socket to take spawn requests on")
@@ -136,7 +145,7 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    from app.serve import main as run_gateway
+    from app.supervisor.serve import main as run_gateway
 
     run_gateway(args.config, model=args.model, run_dir=args.run_dir, **{"gateway.host": args.host,
                                                                        "gateway.port": args.port})  # fmt: skip
@@ -189,7 +198,13 @@ def _cache(args: argparse.Namespace) -> None:
 def _engine(args: argparse.Namespace) -> None:
     from engine.worker import main as run_worker
 
-    run_worker(args.socket, args.config, drain_timeout=args.drain_timeout)
+    run_worker(args.socket, args.config, drain_timeout=args.drain_timeout, heartbeat_path=args.heartbeat)
+
+
+def _relay(args: argparse.Namespace) -> None:
+    from app.relay.main import main as run_relay
+
+    run_relay(args.control, args.listen_fd, args.index, args.drain_timeout)
 
 
 def _fork_server(args: argparse.Namespace) -> None:

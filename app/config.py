@@ -1,7 +1,7 @@
 """Gateway settings: a TOML file, WARMGATE_* environment variables over it, command-line flags over both,
 validated by pydantic.
 
-    [gateway]            host, port, api_keys, admin_token
+    [gateway]            host, port, api_keys, admin_token, workers, engine_backlog
     [engine]             device, dtype, max_num_seqs, max_model_len, kv_cache_bytes, weights, ...
     [restart]            strategy (overlap | replace), start_timeout, drain_timeout, queue_timeout, ...
     model = "/path"      default: the demo checkpoint (fp8-block), built on first use
@@ -12,6 +12,7 @@ underscore, e.g. ``WARMGATE_ENGINE__MAX_NUM_SEQS=8``.
 
 from __future__ import annotations
 
+import os
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -20,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
 from common.settings import EngineSettings
+from engine.config import EngineConfig
 
 
 class ConfigError(ValueError):
@@ -36,14 +38,21 @@ class GatewaySettings(_Section):
     api_keys: list[str] = []  # empty: no key needed
     admin_token: str | None = None  # none: generated at start into the run dir (mode 0600)
     max_body_bytes: Annotated[int, Field(ge=1024)] = 8 * 2**20  # a larger request body gets 413
+    workers: Annotated[int | None, Field(ge=1, le=64)] = None  # relay processes; none: half the cores, at least 2
+    # Requests the relays forward to an engine beyond its max_num_seqs (the rest wait in the relays);
+    # none: a quarter of max_num_seqs, at least 4.
+    engine_backlog: Annotated[int | None, Field(ge=0)] = None
+
+    def relay_count(self) -> int:
+        return self.workers or max(2, (os.cpu_count() or 2) // 2)
 
 
 class RestartSettings(_Section):
     strategy: Literal["overlap", "replace"] = "overlap"
     start_timeout: Annotated[float, Field(gt=0)] = 300.0  # seconds for a new engine to answer its probe
     drain_timeout: Annotated[float, Field(ge=0)] = 30.0  # seconds an old engine may finish in-flight requests
-    queue_timeout: Annotated[float, Field(gt=0)] = 60.0  # seconds a request waits for an engine before 503
-    max_queue: Annotated[int, Field(ge=1)] = 1024  # requests waiting for an engine before 503
+    queue_timeout: Annotated[float, Field(gt=0)] = 60.0  # seconds a request waits for an engine slot before 503
+    max_queue: Annotated[int, Field(ge=1)] = 1024  # requests waiting in one relay for an engine slot before 503
     crash_backoff: Annotated[float, Field(gt=0)] = 0.5  # first wait before restarting a crashed engine; doubles
     crash_backoff_max: Annotated[float, Field(gt=0)] = 30.0
     request_resumes: Annotated[int, Field(ge=0)] = 3  # moves of one request to another engine after its failed
@@ -75,18 +84,14 @@ class Settings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         return (init_settings,)  # load_settings layers the file, the environment and the command line
 
-    def engine_config(self, model: Path, cache_socket: Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The JSON config for one engine worker (engine/config.py's EngineConfig).
+    def engine_config(self, model: Path, cache_socket: Path, overrides: dict[str, Any] | None = None) -> EngineConfig:
+        """The config of one engine worker.
 
         ``overrides`` are checked like the file: an unknown key or a bad value raises ValidationError.
         """
         engine = EngineSettings.model_validate({**self.engine.model_dump(), **(overrides or {})})
-        return {
-            **engine.model_dump(),
-            "model": str(model),
-            "served_model_name": self.served_model_name,
-            "cache_socket": str(cache_socket),
-        }
+        return EngineConfig(**engine.model_dump(), model=model, served_model_name=self.served_model_name,
+                            cache_socket=cache_socket)  # fmt: skip
 
 
 def load_settings(path: Path | None, **overrides: Any) -> Settings:

@@ -1,53 +1,111 @@
-"""Prometheus metrics of the gateway, named like vLLM's where they mean the same (``warmgate:`` prefix)."""
+"""Prometheus metrics of the gateway, named like vLLM's where they mean the same (``warmgate:`` prefix).
+
+Relays count requests (they serve them); the supervisor counts engines, restarts and the cache. Every
+process writes its values into the run dir's ``metrics/`` folder (prometheus-client's multiprocess mode:
+one small mmap'd file per process and kind), and any relay's ``/metrics`` sums them: one endpoint, the same
+names, however many relays. Gauges count only live processes (``livesum``): a relay that died takes its
+in-flight and queued requests with it; its counters stay in the sums, as a client saw them.
+"""
 
 from __future__ import annotations
 
+import os
+import shutil
+import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 if TYPE_CHECKING:
-    from app.engines import RestartReport
+    from app.supervisor.engines import RestartReport
 
+ENV = "PROMETHEUS_MULTIPROC_DIR"
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60)
 STATES = ("starting", "ready", "active", "standby", "draining", "stopped", "failed")
+CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
-class GatewayMetrics:
+def use_directory(path: Path, *, fresh: bool = False) -> None:
+    """Write this process's metrics into ``path`` (every process of one gateway uses the same folder), and its
+    children's too (the variable is inherited). ``fresh``: empty it first (the supervisor, at start)."""
+    if fresh and path.exists():
+        shutil.rmtree(path)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.environ[ENV] = str(path)
+    if "prometheus_client.values" in sys.modules:  # imported before the variable was set: switch it over
+        from prometheus_client import values
+
+        values.ValueClass = values.MultiProcessValue()
+
+
+def render() -> bytes:
+    """The exposition of every process's metrics in the folder (a relay's /metrics)."""
+    from prometheus_client import multiprocess
+
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry)
+    return bytes(generate_latest(registry))
+
+
+def forget_process(pid: int) -> None:
+    """A process of the gateway exited: its gauges leave the sums (its counters stay)."""
+    if ENV in os.environ:
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(pid)
+
+
+class RelayMetrics:
+    """What a relay counts: the requests it served, their latency and tokens, and those waiting for an engine."""
+
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
         self.requests = Counter("warmgate:requests", "HTTP requests by route and status", ["route", "status"],
-                                registry=r)  # fmt: skip
+                                registry=None)  # fmt: skip
         self.latency = Histogram("warmgate:e2e_request_latency_seconds", "Request latency through the gateway",
-                                 ["route"], buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+                                 ["route"], buckets=LATENCY_BUCKETS, registry=None)  # fmt: skip
         self.ttft = Histogram("warmgate:time_to_first_token_seconds", "Time to the first generated token",
-                              ["route"], buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
-        self.prompt_tokens = Counter("warmgate:prompt_tokens", "Prompt tokens processed", registry=r)
-        self.generation_tokens = Counter("warmgate:generation_tokens", "Tokens generated", registry=r)
-        self.in_flight = Gauge("warmgate:num_requests_running", "Requests being served by an engine", registry=r)
-        self.queued = Gauge("warmgate:num_requests_waiting", "Requests waiting for an engine", registry=r)
+                              ["route"], buckets=LATENCY_BUCKETS, registry=None)  # fmt: skip
+        self.prompt_tokens = Counter("warmgate:prompt_tokens", "Prompt tokens processed", registry=None)
+        self.generation_tokens = Counter("warmgate:generation_tokens", "Tokens generated", registry=None)
+        self.in_flight = Gauge("warmgate:num_requests_running", "Requests being served by an engine",
+                               multiprocess_mode="livesum", registry=None)  # fmt: skip
+        self.queued = Gauge("warmgate:num_requests_waiting", "Requests waiting in the gateway for an engine slot",
+                            multiprocess_mode="livesum", registry=None)  # fmt: skip
+        self.queue_wait = Histogram("warmgate:queue_wait_seconds", "Time requests waited in the gateway for an "
+                                    "engine slot", buckets=LATENCY_BUCKETS, registry=None)  # fmt: skip
         self.resumes = Counter("warmgate:request_resumes", "Requests resumed on another engine after theirs failed",
-                               registry=r)  # fmt: skip
+                               registry=None)  # fmt: skip
         self.resume_failures = Counter("warmgate:request_resume_failures",
                                        "Requests ended with an error: their engine failed after the last resume",
-                                       registry=r)  # fmt: skip
-        self.engines = Gauge("warmgate:engines", "Engine workers by state", ["state"], registry=r)
+                                       registry=None)  # fmt: skip
+
+
+class SupervisorMetrics:
+    """What the supervisor counts: engines by state, restarts and their phases, weight loads, the cache, relays."""
+
+    def __init__(self) -> None:
+        self.engines = Gauge("warmgate:engines", "Engine workers by state", ["state"], multiprocess_mode="livesum",
+                             registry=None)  # fmt: skip
         self.restarts = Counter("warmgate:engine_restarts", "Engine restarts by reason and outcome",
-                                ["reason", "ok"], registry=r)  # fmt: skip
+                                ["reason", "ok"], registry=None)  # fmt: skip
         self.restart_phase = Histogram("warmgate:restart_phase_seconds", "Restart phase durations", ["phase"],
-                                       buckets=PHASE_BUCKETS, registry=r)  # fmt: skip
+                                       buckets=PHASE_BUCKETS, registry=None)  # fmt: skip
         self.attach = Histogram("warmgate:weight_attach_seconds", "Engine weight attach time (ipc)",
-                                buckets=PHASE_BUCKETS, registry=r)  # fmt: skip
+                                buckets=PHASE_BUCKETS, registry=None)  # fmt: skip
         self.weight_loads = Counter("warmgate:weight_loads", "Engine weight loads by source", ["source"],
-                                    registry=r)  # fmt: skip
-        self.crashes = Counter("warmgate:engine_crashes", "Engines that exited while serving", registry=r)
+                                    registry=None)  # fmt: skip
+        self.crashes = Counter("warmgate:engine_crashes", "Engines that exited while serving", registry=None)
+        self.hung = Counter("warmgate:engines_hung", "Engines killed because their heartbeat stopped", registry=None)
         self.cache_restarts = Counter("warmgate:cache_restarts", "Cache processes that exited and were restarted",
-                                      registry=r)  # fmt: skip
+                                      registry=None)  # fmt: skip
         self.cache_bytes = Gauge("warmgate:cache_bytes", "Bytes of processed weights held by the cache",
-                                 registry=r)  # fmt: skip
-        self.cache_leases = Gauge("warmgate:cache_leases", "Engines attached to the cache's weights", registry=r)
+                                 multiprocess_mode="livesum", registry=None)  # fmt: skip
+        self.cache_leases = Gauge("warmgate:cache_leases", "Engines attached to the cache's weights",
+                                  multiprocess_mode="livesum", registry=None)  # fmt: skip
+        self.relay_restarts = Counter("warmgate:relay_restarts", "Relay workers that exited and were restarted",
+                                      registry=None)  # fmt: skip
         for state in STATES:
             self.engines.labels(state).set(0)
 
@@ -67,6 +125,3 @@ class GatewayMetrics:
     def cache_stats(self, nbytes: int, leases: int) -> None:
         self.cache_bytes.set(nbytes)
         self.cache_leases.set(leases)
-
-    def engine_crashed(self) -> None:
-        self.crashes.inc()

@@ -99,14 +99,14 @@ def four_path(model: Path, work: Path) -> dict[str, Any]:
         cache = start_cache(work, model, device=ENGINE["device"])
         with CacheClient(cache.socket) as client:
             stats, manifest = client.stats(), client.manifest()
-        cache_row = {"bytes": stats["bytes"], "device_used_growth_bytes": device_used_bytes() - used,
+        cache_row = {"bytes": stats.bytes, "device_used_growth_bytes": device_used_bytes() - used,
                      "qkv_layer": manifest.layers["model.layers.0.self_attn.qkv_proj"]}  # fmt: skip
         for name in ("ipc1", "ipc2"):
             worker, row = engine_run(work, model, name, weights="ipc", cache_socket=cache.socket)
             running.append(worker)
             rows.append(row)
         with CacheClient(cache.socket) as client:
-            leases = client.stats()["leases"]
+            leases = client.stats().leases
     finally:
         for worker in running:
             worker.stop()
@@ -147,7 +147,7 @@ def restarts(model: Path, work: Path, count: int) -> dict[str, Any]:
     attach = [r["startup_phases_s"]["weight_load"] for r in rows]
     return {
         "model": str(model),
-        "weight_bytes": stats["bytes"],
+        "weight_bytes": stats.bytes,
         "cache_spawn_to_ready_s": round(cache_ready_s, 3),
         "cache_device_used_growth_bytes": cache_growth,
         "disk_engine": disk,
@@ -155,8 +155,8 @@ def restarts(model: Path, work: Path, count: int) -> dict[str, Any]:
         "attach_s": {"min": min(attach), "max": max(attach), "mean": sum(attach) / len(attach)},
         "identical_outputs": all(r["outputs"] == disk["outputs"] for r in rows),
         "all_ipc": all(r["weights"]["source"] == "ipc" for r in rows),
-        "attach_count": final["attach_count"],
-        "leases_after": len(final["leases"]),
+        "attach_count": final.attach_count,
+        "leases_after": len(final.leases),
     }
 
 

@@ -11,8 +11,11 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from cache.manifest import Manifest
-from cache.protocol import PROTOCOL_VERSION, recv_message, send_message
+from cache.protocol import PROTOCOL_VERSION, HelloReply, StatsReply
+from common.framing import ProtocolError, recv_message, send_message
 
 
 class CacheUnavailable(ConnectionError):
@@ -39,7 +42,11 @@ class CacheClient:
             raise CacheUnavailable(f"no cache process on {self.socket_path}: {exc.strerror or exc}") from None
         self._sock = sock
         try:
-            self.hello = self._call({"op": "hello", "protocol": PROTOCOL_VERSION, "client": name})[0]
+            self.hello = HelloReply.model_validate(self._call({"op": "hello", "protocol": PROTOCOL_VERSION,
+                                                               "client": name})[0])  # fmt: skip
+        except ValidationError as exc:
+            self.close()
+            raise CacheRefused("ProtocolError", f"the cache's hello is not understood: {exc}") from None
         except BaseException:
             self.close()
             raise
@@ -60,8 +67,11 @@ class CacheClient:
     def release(self, lease: int) -> None:
         self._call({"op": "release", "lease": lease})
 
-    def stats(self) -> dict[str, Any]:
-        return self._call({"op": "stats"})[0]
+    def stats(self) -> StatsReply:
+        try:
+            return StatsReply.model_validate(self._call({"op": "stats"})[0])
+        except ValidationError as exc:
+            raise CacheRefused("ProtocolError", f"the cache's stats are not understood: {exc}") from None
 
     def close(self) -> None:
         self._sock.close()
@@ -76,6 +86,8 @@ class CacheClient:
         try:
             send_message(self._sock, request)
             received = recv_message(self._sock)
+        except ProtocolError as exc:
+            raise CacheRefused("ProtocolError", str(exc)) from None
         except OSError as exc:
             raise CacheUnavailable(f"cache on {self.socket_path} stopped answering: {exc}") from None
         if received is None:

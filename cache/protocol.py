@@ -1,33 +1,18 @@
-"""The cache socket protocol: length-prefixed JSON messages, arena fds beside them (SCM_RIGHTS).
+"""The cache socket protocol: its requests and replies, framed by common/framing.py (length-prefixed JSON,
+arena fds beside them with SCM_RIGHTS; no pickle: a peer can at worst send a request the schema refuses).
 
-Frame: a 4-byte big-endian length, then that many bytes of UTF-8 JSON (an object). File
-descriptors ride on the frame's first byte. No pickle: a peer can at worst send a request
-the schema refuses.
-
-Requests (``op``): hello, manifest, attach, release, stats. Replies: ``{"ok": true, ...}`` or
-``{"ok": false, "error": {"type": ..., "message": ...}}``.
+Requests (``op``): hello, manifest, attach, release, stats. Replies: ``{"ok": true, ...}`` (``HelloReply``,
+``StatsReply``; the manifest's own schema for manifest and attach) or ``{"ok": false, "error": {"type": ...,
+"message": ...}}``.
 """
 
 from __future__ import annotations
 
-import array
-import contextlib
-import json
-import os
-import socket
-import struct
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 PROTOCOL_VERSION = 1
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a 70B manifest is well under 1 MB
-MAX_FDS = 16
-_HEADER = struct.Struct("!I")
-
-
-class ProtocolError(Exception):
-    """The peer sent something that is not a valid message; the connection cannot continue."""
 
 
 class _Request(BaseModel):
@@ -76,64 +61,36 @@ def error_reply(kind: str, message: str) -> dict[str, Any]:
     return {"ok": False, "error": {"type": kind, "message": message}}
 
 
-def send_message(sock: socket.socket, message: dict[str, Any], fds: list[int] | None = None) -> None:
-    send_json(sock, json.dumps(message, separators=(",", ":")).encode(), fds)
+class _Reply(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # a newer cache may say more
+
+    ok: Literal[True]
 
 
-def send_json(sock: socket.socket, body: bytes, fds: list[int] | None = None) -> None:
-    """Send an already-encoded JSON object (the cache pre-encodes its manifest once)."""
-    frame = _HEADER.pack(len(body)) + body
-    if fds:
-        sent = socket.send_fds(sock, [frame], fds)
-        if sent < len(frame):
-            sock.sendall(frame[sent:])
-    else:
-        sock.sendall(frame)
+class HelloReply(_Reply):
+    protocol: int
+    key: str
+    pid: int
+    model: str
+    device: str
+    backend: str = "native"
 
 
-def recv_message(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
-    """The next message and the fds that came with it; None on a clean end of stream."""
-    fds: list[int] = []
-    header = _recv_exact(sock, _HEADER.size, fds, allow_eof=True)
-    if header is None:
-        return None
-    (length,) = _HEADER.unpack(header)
-    if length > MAX_MESSAGE_BYTES:
-        _close_all(fds)
-        raise ProtocolError(f"message of {length} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
-    body = _recv_exact(sock, length, fds, allow_eof=False) or b""
-    try:
-        message = json.loads(body)
-    except (UnicodeDecodeError, ValueError) as exc:
-        _close_all(fds)
-        raise ProtocolError(f"message is not JSON: {exc}") from None
-    if not isinstance(message, dict):
-        _close_all(fds)
-        raise ProtocolError("message is not a JSON object")
-    return message, fds
+class LeaseInfo(BaseModel):
+    id: int
+    pid: int
+    engine: str
+    since: float
 
 
-def _recv_exact(sock: socket.socket, n: int, fds: list[int], *, allow_eof: bool) -> bytes | None:
-    chunks, got = [], 0
-    while got < n:
-        data, ancdata, _flags, _addr = sock.recvmsg(n - got, socket.CMSG_SPACE(MAX_FDS * 4))
-        for level, kind, payload in ancdata:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                received = array.array("i")
-                received.frombytes(payload[: len(payload) - len(payload) % received.itemsize])
-                fds.extend(received)
-        if not data:
-            if allow_eof and got == 0:
-                return None
-            _close_all(fds)
-            raise ProtocolError(f"connection closed after {got} of {n} bytes")
-        chunks.append(data)
-        got += len(data)
-    return b"".join(chunks)
-
-
-def _close_all(fds: list[int]) -> None:
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            os.close(fd)
-    fds.clear()
+class StatsReply(_Reply):
+    key: str
+    model: str
+    device: str
+    bytes: int
+    tensors: int
+    arenas: int
+    leases: list[LeaseInfo]
+    attach_count: int
+    uptime_s: float
+    pid: int

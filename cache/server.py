@@ -23,22 +23,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cache import events
 from cache.protocol import (
     PROTOCOL_VERSION,
     Attach,
     GetManifest,
     Hello,
-    ProtocolError,
+    HelloReply,
+    LeaseInfo,
     Release,
     Stats,
+    StatsReply,
     error_reply,
     parse_request,
-    recv_message,
-    send_json,
-    send_message,
 )
-from cache.uds import bind_unix_socket, peer_credentials, private_dir
+from common import events
+from common.framing import ProtocolError, recv_message, send_json, send_message
+from common.uds import bind_unix_socket, peer_credentials, private_dir
 
 if TYPE_CHECKING:
     from cache.loader import LoadedCache
@@ -139,9 +139,9 @@ class CacheServer:
                 reason = f"protocol {request.protocol}, this cache speaks {PROTOCOL_VERSION}"
                 send_message(conn, error_reply("VersionMismatch", reason))
                 return
-            send_message(conn, {"ok": True, "protocol": PROTOCOL_VERSION, "key": manifest.key, "pid": os.getpid(),
-                                "model": manifest.model, "device": manifest.device,
-                                "backend": manifest.backend})  # fmt: skip
+            hello = HelloReply(ok=True, protocol=PROTOCOL_VERSION, key=manifest.key, pid=os.getpid(),
+                               model=manifest.model, device=manifest.device, backend=manifest.backend)
+            send_message(conn, hello.model_dump())
         elif isinstance(request, GetManifest):
             send_json(conn, b'{"ok":true,"manifest":' + self._manifest_json + b"}")
         elif isinstance(request, Attach):
@@ -167,26 +167,18 @@ class CacheServer:
             events.log_event(log, "lease_end", lease=request.lease, pid=pid, reason="release")
             send_message(conn, {"ok": True})
         elif isinstance(request, Stats):
-            send_message(conn, {"ok": True, **self.stats()})
+            send_message(conn, self.stats().model_dump())
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> StatsReply:
         manifest = self.cache.manifest
         with self._lock:
-            leases = [{"id": lease.id, "pid": lease.pid, "engine": lease.engine, "since": lease.since}
+            leases = [LeaseInfo(id=lease.id, pid=lease.pid, engine=lease.engine, since=lease.since)
                       for lease in self.leases.values()]  # fmt: skip
             attach_count = self.attach_count
-        return {
-            "key": manifest.key,
-            "model": manifest.model,
-            "device": manifest.device,
-            "bytes": manifest.nbytes,
-            "tensors": len(manifest.tensors),
-            "arenas": len(manifest.arenas),
-            "leases": leases,
-            "attach_count": attach_count,
-            "uptime_s": time.monotonic() - self.started,
-            "pid": os.getpid(),
-        }
+        return StatsReply(ok=True, key=manifest.key, model=manifest.model, device=manifest.device,
+                          bytes=manifest.nbytes, tensors=len(manifest.tensors), arenas=len(manifest.arenas),
+                          leases=leases, attach_count=attach_count, uptime_s=time.monotonic() - self.started,
+                          pid=os.getpid())
 
 
 def _lingering_close(conn: socket.socket, limit: int = 1 << 20) -> None:

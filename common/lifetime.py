@@ -16,9 +16,9 @@ import logging
 import os
 import signal
 import threading
-from pathlib import Path
 
-from cache.events import log_event
+from common.events import log_event
+from common.processes import start_time
 
 ENV = "WARMGATE_SUPERVISOR_PID"
 INTERVAL = 1.0  # seconds between checks
@@ -37,10 +37,10 @@ class SupervisorWatch:
     def __init__(self) -> None:
         value = os.environ.get(ENV)
         self.pid = int(value) if value else None
-        self.started = _start_time(self.pid) if self.pid is not None else None
+        self.started = start_time(self.pid) if self.pid is not None else None
 
     def gone(self) -> bool:
-        return self.pid is not None and (self.started is None or _start_time(self.pid) != self.started)
+        return self.pid is not None and (self.started is None or start_time(self.pid) != self.started)
 
 
 def stop_with_supervisor() -> None:
@@ -58,11 +58,3 @@ def stop_with_supervisor() -> None:
 
     threading.Thread(target=check, name="warmgate-lifetime", daemon=True).start()
 
-
-def _start_time(pid: int) -> int | None:
-    """The process's start time (clock ticks since boot, /proc/PID/stat field 22), None if there is none."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[19])

@@ -6,11 +6,11 @@ process never initializes CUDA (it imports torch, touches no device, and checks 
 fork), starts no threads (one select loop; SIGCHLD arrives through a wakeup pipe), and holds no
 GPU handles or open model files: the child creates its own CUDA context, sockets and threads.
 
-Protocol: one Unix-socket connection per worker, length-prefixed JSON (cache/protocol.py's
-framing, no pickle). The supervisor sends ``{"op": "spawn", "argv": [...], "log": PATH}``; the
-server forks, answers ``{"ok": true, "pid": N}``, and when it reaps that worker sends
-``{"exit": CODE}`` (negative: killed by that signal) on the same connection and closes it. A
-supervisor that closes the connection first only gives up the exit notice; the worker lives on.
+Protocol (engine/fork_protocol.py; common/framing.py's length-prefixed JSON, no pickle): one
+Unix-socket connection per worker. The supervisor sends a SpawnRequest; the server forks, answers
+SpawnReply with the pid, and when it reaps that worker sends ChildExit (its code; negative: killed by
+that signal) on the same connection and closes it. A supervisor that closes the connection first only
+gives up the exit notice; the worker lives on.
 """
 
 from __future__ import annotations
@@ -30,11 +30,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from cache.events import configure_logging, log_event
-from cache.protocol import ProtocolError, error_reply, recv_message, send_message
-from cache.uds import bind_unix_socket
+from cache.protocol import error_reply
+from common.events import configure_logging, log_event
+from common.framing import ProtocolError, recv_message, send_message
 from common.lifetime import INTERVAL as LIFETIME_INTERVAL
 from common.lifetime import SupervisorWatch
+from common.uds import bind_unix_socket
+from engine.fork_protocol import ChildExit, SpawnReply, SpawnRequest
 
 log = logging.getLogger("warmgate.engine.fork_server")
 REQUEST_TIMEOUT = 5.0  # seconds a client has to send its spawn request once connected
@@ -135,20 +137,16 @@ class _ForkServer:
             if message is None:
                 conn.close()
                 return
-            request = message[0]
-            argv, log_path = request.get("argv"), request.get("log")
-            if (
-                request.get("op") != "spawn"
-                or not isinstance(argv, list)
-                or not _strings(argv)
-                or not isinstance(log_path, str)
-            ):
+            try:
+                request = SpawnRequest.model_validate(message[0])
+            except ValueError:
                 expected = 'expected {"op": "spawn", "argv": [...], "log": path}'
                 send_message(conn, error_reply("invalid_request", expected))
                 conn.close()
                 return
-            pid = self._fork(argv, Path(log_path), conn)
-            send_message(conn, {"ok": True, "pid": pid})
+            argv = request.argv
+            pid = self._fork(argv, Path(request.log), conn)
+            send_message(conn, SpawnReply(pid=pid).model_dump())
         except (OSError, ProtocolError) as exc:
             log.warning("event=spawn_request_failed error=%s", exc)
             conn.close()
@@ -218,7 +216,7 @@ class _ForkServer:
             if conn is not None:
                 self.selector.unregister(conn)
                 with contextlib.suppress(OSError):  # the supervisor may be gone
-                    send_message(conn, {"exit": code})
+                    send_message(conn, ChildExit(exit=code).model_dump())
                 conn.close()
 
     def _forget(self, conn: socket.socket) -> None:
@@ -236,6 +234,3 @@ class _ForkServer:
             if conn is not None:
                 conn.close()
 
-
-def _strings(value: object) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(v, str) for v in value)

@@ -13,6 +13,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from common.heartbeat import BEAT_INTERVAL, ENGINE_THREAD, Heartbeat
+
 log = logging.getLogger("warmgate.engine")
 Item = TypeVar("Item")  # what a backend queues for its thread (a native Sequence, a vLLM request)
 
@@ -90,8 +92,11 @@ class EngineThread(Generic[Item]):
         self._wake = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._heartbeat: Heartbeat | None = None
 
-    def start(self) -> None:
+    def start(self, heartbeat: Heartbeat | None = None) -> None:
+        """Start stepping; ``heartbeat`` is stamped on every step, and while idle at least every BEAT_INTERVAL."""
+        self._heartbeat = heartbeat
         self._thread = threading.Thread(target=self._loop, name=f"warmgate-{type(self).__name__}", daemon=True)
         self._thread.start()
 
@@ -120,10 +125,13 @@ class EngineThread(Generic[Item]):
             self._wake.notify()
 
     def _loop(self) -> None:
+        beat = self._heartbeat.beat if self._heartbeat is not None else lambda _slot: None
         while True:
+            beat(ENGINE_THREAD)
             with self._wake:
                 while not self._stopping and not self._inbox and self._idle():
-                    self._wake.wait()
+                    if not self._wake.wait(BEAT_INTERVAL):
+                        beat(ENGINE_THREAD)
                 if self._stopping:
                     return
                 pending, self._inbox = self._inbox, []

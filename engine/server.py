@@ -55,6 +55,7 @@ from engine.protocol import (
 from engine.tokenizer import ChatTemplateError, ChatTokenizer
 
 if TYPE_CHECKING:
+    from common.heartbeat import Heartbeat
     from engine.config import EngineConfig
     from engine.request_stream import RequestStream
     from engine.sampling_params import SamplingParams
@@ -76,7 +77,7 @@ class ServingEngine(Protocol):
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                output_ids: list[int] | None = None) -> RequestStream: ...  # fmt: skip
 
-    def start(self) -> None: ...
+    def start(self, heartbeat: Heartbeat | None = None) -> None: ...
 
     def stop(self) -> None: ...
 

@@ -19,9 +19,9 @@ import torch
 from cache.arena import Arena, attach_arena, dtype_of, tensor_views
 from cache.checkpoint.reader import read_checkpoint
 from cache.client import CacheClient, CacheRefused, CacheUnavailable
-from cache.events import log_event
 from cache.manifest import Manifest, expected_key
 from cache.processors.native import ProcessedWeights, process_checkpoint
+from common.events import log_event
 
 log = logging.getLogger("warmgate.engine.weights")
 
@@ -118,11 +118,11 @@ def attach_cache(path: Path, socket_path: Path, name: str, device: torch.device,
     client = CacheClient(socket_path, name=name)
     clock.lap("connect")
     try:
-        if client.hello["key"] != expected:
+        if client.hello.key != expected:
             raise WeightKeyMismatch(
-                f"the cache on {socket_path} holds {client.hello.get('model')} for the "
-                f"{client.hello.get('backend', 'native')} backend on {client.hello.get('device')} with key "
-                f"{client.hello['key'][:12]}, this engine expects {path} processed by the {backend} backend for "
+                f"the cache on {socket_path} holds {client.hello.model} for the "
+                f"{client.hello.backend} backend on {client.hello.device} with key "
+                f"{client.hello.key[:12]}, this engine expects {path} processed by the {backend} backend for "
                 f"{device} {dtype} (key {expected[:12]})"
             )
         lease, manifest, fds = client.attach(name)

@@ -19,12 +19,13 @@ from collections.abc import Generator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cache import events
+from common import events
 
 if TYPE_CHECKING:
     import uvicorn
     from fastapi import FastAPI
 
+    from common.heartbeat import Heartbeat
     from engine.server import EngineAPI, ServingEngine
 
 log = logging.getLogger("warmgate.engine.worker")
@@ -50,7 +51,7 @@ def _server_class() -> type[uvicorn.Server]:
 
 
 async def _serve(app: FastAPI, api: EngineAPI, engine: ServingEngine, sock: socket.socket, drain_timeout: float,
-                 stop_requested: list[str]) -> None:  # fmt: skip
+                 stop_requested: list[str], heartbeat: Heartbeat | None) -> None:  # fmt: skip
     import uvicorn
 
     # The socket is bound by bind_unix_socket (uvicorn's own uds binding would chmod it 0666). Requests get
@@ -83,6 +84,14 @@ async def _serve(app: FastAPI, api: EngineAPI, engine: ServingEngine, sock: sock
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
+    if heartbeat is not None:  # this loop's share of the liveness signal (common/heartbeat.py)
+        from common.heartbeat import BEAT_INTERVAL, EVENT_LOOP
+
+        def beat() -> None:
+            heartbeat.beat(EVENT_LOOP)
+            loop.call_later(BEAT_INTERVAL, beat)
+
+        beat()
     if stop_requested:  # signalled after start-up's last check (during the warm-up): drain and exit now
         on_signal(signal.Signals[stop_requested[0]])
     try:
@@ -124,8 +133,12 @@ async def _warm_up(app: FastAPI) -> None:
                 raise RuntimeError(f"warm-up request {path} failed: {response.status_code} {response.text[:200]}")
 
 
-def main(socket_path: str | Path, config_source: str, drain_timeout: float = DEFAULT_DRAIN_TIMEOUT) -> int:
-    """Run an engine worker: build the engine from the config (file or inline JSON), serve it on socket_path."""
+def main(socket_path: str | Path, config_source: str, drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
+         heartbeat_path: Path | None = None) -> int:  # fmt: skip
+    """Run an engine worker: build the engine from the config (file or inline JSON), serve it on socket_path.
+
+    ``heartbeat_path``: a file made by the supervisor (common/heartbeat.py) that the engine thread and the HTTP
+    loop stamp while they make progress: its liveness signal."""
     started = time.perf_counter()
     events.configure_logging()
     socket_path = Path(socket_path)
@@ -140,7 +153,7 @@ def main(socket_path: str | Path, config_source: str, drain_timeout: float = DEF
 
     stop_with_supervisor()  # a gateway killed with SIGKILL leaves no engine behind
 
-    from cache.uds import bind_unix_socket
+    from common.uds import bind_unix_socket
     from engine.config import EngineConfig
 
     config = EngineConfig.load(config_source)  # before the heavy imports: a bad config fails at once
@@ -171,7 +184,10 @@ def main(socket_path: str | Path, config_source: str, drain_timeout: float = DEF
     # framing). After each step's GPU wait the engine thread asks for the GIL back; by default the
     # loop may keep it for up to 5 ms first, a whole decode step. A short interval bounds that wait.
     sys.setswitchinterval(SWITCH_INTERVAL)
-    engine.start()
+    from common.heartbeat import Heartbeat
+
+    heartbeat = Heartbeat(heartbeat_path) if heartbeat_path is not None else None
+    engine.start(heartbeat)
     try:
         app = create_app(engine, tokenizer)
         sock = bind_unix_socket(socket_path)
@@ -188,7 +204,7 @@ def main(socket_path: str | Path, config_source: str, drain_timeout: float = DEF
     gc.freeze()
     log_event("ready", socket=socket_path, seconds=time.perf_counter() - started, **engine.startup_phases)
     try:
-        asyncio.run(_serve(app, app.state.api, engine, sock, drain_timeout, stop_requested))
+        asyncio.run(_serve(app, app.state.api, engine, sock, drain_timeout, stop_requested, heartbeat))
     finally:
         sock.close()
         socket_path.unlink(missing_ok=True)

@@ -156,8 +156,8 @@ def check_attached_share_one_copy(cache: Process, attached: list[Worker], output
         assert output == outputs["disk"], path
     with CacheClient(cache.socket) as client:
         stats, manifest = client.stats(), client.manifest()
-    arena_bytes, cache_arenas = stats["bytes"], memfd_arenas(cache.pid)
-    assert sorted(lease["pid"] for lease in stats["leases"]) == sorted(worker.pid for worker in attached)
+    arena_bytes, cache_arenas = stats.bytes, memfd_arenas(cache.pid)
+    assert sorted(lease.pid for lease in stats.leases) == sorted(worker.pid for worker in attached)
     for worker in attached:
         weights = health(worker)["weights"]
         assert weights["source"] == "ipc" and weights["key"] == manifest.key and weights["fallbacks"] == 0, weights

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 from app.admin_text import reload_text, restart_text, status_text
-from app.engines import RestartReport
+from app.supervisor.engines import RestartReport
 
 
 def test_a_failed_restart_says_why_on_its_first_line() -> None:

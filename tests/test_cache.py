@@ -77,7 +77,7 @@ def test_four_paths_give_identical_outputs_from_one_copy(scheme: str, demo_path,
         cache = start_cache(tmp_path, model)
         with CacheClient(cache.socket) as client:
             stats = client.stats()
-        assert len(memfd_arenas(cache.pid)) == 1 and stats["leases"] == [] and stats["arenas"] == 1
+        assert len(memfd_arenas(cache.pid)) == 1 and stats.leases == [] and stats.arenas == 1
 
         first = start_worker(tmp_path, model, "ipc1", weights="ipc", cache_socket=cache.socket)
         workers.append(first)
@@ -95,7 +95,7 @@ def test_four_paths_give_identical_outputs_from_one_copy(scheme: str, demo_path,
         for worker in (first, second):
             worker.stop()
         with CacheClient(cache.socket) as client:
-            wait_for(lambda: client.stats()["leases"] == [], 10, "leases outlived their engines")
+            wait_for(lambda: client.stats().leases == [], 10, "leases outlived their engines")
     finally:
         for worker in workers:
             worker.stop()
@@ -164,7 +164,7 @@ def test_key_mismatch_is_refused_and_ipc_or_disk_falls_back(demo_path, tmp_path:
             assert engine.weights.fallback_reason.startswith("WeightKeyMismatch")
         with CacheClient(cache.socket) as client:
             stats = client.stats()
-        assert stats["attach_count"] == 0 and stats["leases"] == [], "a mismatched engine must not take a lease"
+        assert stats.attach_count == 0 and stats.leases == [], "a mismatched engine must not take a lease"
 
         # A worker told to use the cache (ipc) with the wrong checkpoint exits with one clear line.
         sock = tmp_path / "mismatch.sock"
@@ -189,16 +189,16 @@ def test_kill_9_of_an_attached_engine_frees_its_lease(demo_path, tmp_path: Path)
         workers.append(victim)
         before = generate(victim)
         with CacheClient(cache.socket) as client:
-            assert [lease["pid"] for lease in client.stats()["leases"]] == [victim.pid]
+            assert [lease.pid for lease in client.stats().leases] == [victim.pid]
             victim.proc.kill()
             victim.proc.wait()
-            wait_for(lambda: client.stats()["leases"] == [], 10, "the killed engine's lease was not cleaned")
+            wait_for(lambda: client.stats().leases == [], 10, "the killed engine's lease was not cleaned")
         successor = start_worker(tmp_path, model, "successor", weights="ipc", cache_socket=cache.socket)
         workers.append(successor)
         assert generate(successor) == before
         with CacheClient(cache.socket) as client:
             stats = client.stats()
-        assert [lease["pid"] for lease in stats["leases"]] == [successor.pid] and stats["attach_count"] == 2
+        assert [lease.pid for lease in stats.leases] == [successor.pid] and stats.attach_count == 2
         assert cache.proc.poll() is None
     finally:
         for worker in workers:
@@ -288,7 +288,7 @@ def test_peers_of_another_uid_and_garbage_do_not_get_in_or_kill_the_cache(demo_p
             assert reply is not None and reply["ok"] is False and reply["error"]["type"] == kind, (payload, reply)
         assert raw_exchange(b"") is None  # connect and hang up: nothing to answer
         with CacheClient(cache.socket) as client:
-            assert client.stats()["attach_count"] == 0
+            assert client.stats().attach_count == 0
         assert cache.proc.poll() is None
     finally:
         cache.stop()

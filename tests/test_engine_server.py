@@ -17,7 +17,7 @@ import pytest
 from conftest import PROMPT
 from processes import MAX_MODEL_LEN, Worker, launch_worker, start_worker
 
-from cache.uds import bind_unix_socket
+from common.uds import bind_unix_socket
 from engine.tokenizer import ChatTokenizer
 
 FRANCE = [{"role": "user", "content": PROMPT}]

@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.fork_client import ForkServer, ForkServerUnavailable
-from cache.uds import private_dir
+from app.supervisor.forks import ForkServer, ForkServerUnavailable
+from common.uds import private_dir
 
 
 @pytest.fixture()

@@ -177,47 +177,58 @@ def test_a_poison_request_fails_after_its_resumes_and_the_others_are_served(gate
 
 
 def _sse(data: dict[str, Any], note: dict[str, Any] | None = None) -> bytes:
-    """An internal SSE event: the data line, and the engine's comment line when ``note`` is given."""
+    """An internal SSE event without its blank line: the data line, and the engine's comment line when ``note``
+    is given."""
     import json
 
-    line = f"data: {json.dumps(data)}\n"
-    return (line + (f": warmgate {json.dumps(note)}\n" if note is not None else "") + "\n").encode()
+    line = f"data: {json.dumps(data)}"
+    return (line + (f"\n: warmgate {json.dumps(note)}" if note is not None else "")).encode()
 
 
-def test_the_gateway_state_of_a_request_follows_the_internal_stream() -> None:
+def test_the_relay_state_of_a_request_follows_the_internal_stream() -> None:
     import json
 
-    from app.resume import DONE, EngineFailed, InFlight, split_events
+    from app.relay.inflight import DONE, EngineStopped, InFlight, InvalidRequest
 
-    request = InFlight("/v1/chat/completions", {"messages": [], "stream": True, "warmgate_resume": {"id": "forged"},
-                                                "stream_options": {"include_usage": True}})  # fmt: skip
+    request = InFlight.of("/v1/chat/completions", {"messages": [], "stream": True, "warmgate_resume": {"id": "x"},
+                                                   "stream_options": {"include_usage": True}})  # fmt: skip
     assert "warmgate_resume" not in json.loads(request.body())  # a client cannot forge one
-    opening = b': warmgate {"prompt_ids":[1,2,3],"id":"chatcmpl-1","created":7,"model":"demo"}\n\n'
+    opening = b': warmgate {"prompt_ids":[1,2,3],"id":"chatcmpl-1","created":7,"model":"demo"}'
     role = _sse({"id": "chatcmpl-1", "choices": [{"delta": {"role": "assistant", "content": ""}}]})
     token = _sse({"id": "chatcmpl-1", "choices": [{"delta": {"content": "Hi"}}]}, {"ids": [42, 43], "chars": 2})
-    events, rest = split_events(opening + role + token[:30])
-    assert [request.take(e) for e in events] == [None, role] and rest == token[:30]
-    assert request.take(token) == token.split(b"\n")[0] + b"\n\n"  # the comment line never reaches the client
-    assert (request.prompt_ids, request.output_ids, request.chars, request.started) == ([1, 2, 3], [42, 43], 2, True)
+    assert request.take([opening, role]) == role + b"\n\n"
+    assert request.take([token]) == token.split(b"\n")[0] + b"\n\n"  # the comment line never reaches the client
+    progress = request.progress()
+    assert (request.prompt_ids, progress.output_ids, progress.chars, request.started) == ([1, 2, 3], [42, 43], 2,
+                                                                                          True)  # fmt: skip
     resume = json.loads(request.body())["warmgate_resume"]
     assert resume == {"id": "chatcmpl-1", "created": 7, "prompt_ids": [1, 2, 3], "output_ids": [42, 43], "chars": 2,
                       "started": True}  # fmt: skip
-    with pytest.raises(EngineFailed):
-        request.take(_sse({"error": {"message": "stopped", "type": "service_unavailable", "code": "engine_stopped"}}))
-    # The engine died after the last token's event, before the usage chunk and [DONE]: the gateway ends it.
-    request.take(_sse({"choices": [{"delta": {"content": "!"}, "finish_reason": "stop"}]},
-                      {"ids": [2], "chars": 3, "finish": "stop"}))  # fmt: skip
-    usage_chunk, done = request.ending()
-    usage = json.loads(usage_chunk[6:])
-    assert done == DONE and usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    with pytest.raises(EngineStopped):
+        request.take([_sse({"error": {"message": "stopped", "type": "service_unavailable", "code": "engine_stopped"}})])
+    # The engine died after the last token's event, before the usage chunk and [DONE]: the relay ends it.
+    last = _sse({"choices": [{"delta": {"content": "!"}, "finish_reason": "stop"}]}, {"ids": [2], "chars": 3,
+                                                                                     "finish": "stop"})  # fmt: skip
+    request.take([last])
+    assert request.finish_seen and request.progress().output_ids == [42, 43, 2]  # parsed again, from where it was
+    ending = request.ending()
+    usage = json.loads(ending[6 : ending.index(b"\n\n")])
+    assert ending.endswith(DONE) and usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
     assert usage["id"] == "chatcmpl-1" and usage["choices"] == [] and usage["object"] == "chat.completion.chunk"
 
-    whole = InFlight("/v1/completions", {"prompt": "x"})
-    whole.take(opening.replace(b"chatcmpl", b"cmpl"))
-    for event in (_sse({"choices": [{"text": "Hel"}]}, {"ids": [5], "chars": 3}),
-                  _sse({"choices": [{"text": "lo", "finish_reason": "length"}]},
-                       {"ids": [6], "chars": 5, "finish": "length"})):  # fmt: skip
-        assert whole.add(whole.take(event) or b"") is None
-    body = whole.response()
-    assert body["object"] == "text_completion" and body["choices"][0]["text"] == "Hello"
+    whole = InFlight.of("/v1/completions", {"prompt": "x"})
+    events = [opening.replace(b"chatcmpl", b"cmpl"), _sse({"choices": [{"text": "Hel"}]}, {"ids": [5], "chars": 3}),
+              _sse({"choices": [{"text": "lo", "finish_reason": "length"}]}, {"ids": [6], "chars": 5,
+                                                                              "finish": "length"}),
+              b"data: [DONE]"]  # fmt: skip
+    assert whole.take(events) == b"" and whole.done  # a non-streaming client gets nothing until the end
+    status, body = whole.response()
+    assert status == 200 and body["object"] == "text_completion" and body["choices"][0]["text"] == "Hello"
     assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 2
+
+    for bad, param in (({"stream": "yes please"}, "stream"), ({"stream": 1}, "stream"),
+                       ({"stream": True, "stream_options": []}, "stream_options"),
+                       ({"stream": True, "stream_options": {"include_usage": "no"}}, "stream_options")):  # fmt: skip
+        with pytest.raises(InvalidRequest) as refused:
+            InFlight.of("/v1/completions", {"prompt": "x", **bad})
+        assert refused.value.param == param

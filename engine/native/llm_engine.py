@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from cache.arena import preload_transport
-from cache.events import log_event
 from cache.processors.native import compute_dtype
 from common.device import resolve_device
+from common.events import log_event
 from engine.config import EngineConfig
 from engine.native.kv_cache import BlockAllocator, KVCache, KVCacheSpec
 from engine.native.model import ModelArgs, Transformer

@@ -21,10 +21,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from cache.events import log_event
 from cache.processors import compute_dtype
 from cache.processors.vllm import LOAD_FORMAT, engine_args
 from common.device import resolve_device
+from common.events import log_event
 from engine.config import EngineConfig
 from engine.request_stream import EngineThread, RequestStream, TokenEvent
 from engine.sampling_params import SamplingParams

@@ -24,8 +24,8 @@ from vllm.model_executor.model_loader.utils import initialize_model
 from vllm.utils.torch_utils import set_default_torch_dtype
 
 from cache.client import CacheRefused, CacheUnavailable
-from cache.events import log_event
 from cache.processors.vllm import LOAD_FORMAT, check_restorable, load_processed, restore_processed_state
+from common.events import log_event
 from engine.weights import WeightKeyMismatch, WeightOrigin, attach_cache
 
 log = logging.getLogger("warmgate.engine.vllm")

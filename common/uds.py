@@ -74,3 +74,25 @@ def bind_unix_socket(path: Path, *, private: bool = False) -> socket.socket:
         os.umask(old_umask)
     sock.listen(256)
     return sock
+
+
+def socket_is_stale(path: Path) -> bool:
+    """A socket file nobody listens on (left behind by a process that was killed)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except (ConnectionRefusedError, FileNotFoundError):
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return False
+
+
+def remove_if_stale(path: Path) -> bool:
+    """Remove ``path`` if it is a socket file nobody listens on; whether it was."""
+    if not socket_is_stale(path):
+        return False
+    path.unlink(missing_ok=True)
+    return True

@@ -11,20 +11,22 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app.terminate import terminate
+from app.supervisor.terminate import terminate
 from cache.client import CacheClient, CacheRefused, CacheUnavailable
-from cache.events import log_event
 from cache.manifest import expected_key
 from cache.processors import compute_dtype
+from cache.protocol import StatsReply
 from common.device import resolve_device
+from common.events import log_event
+from common.processes import pid_alive
+from common.uds import remove_if_stale
 
-log = logging.getLogger("warmgate.gateway.cache")
+log = logging.getLogger("warmgate.supervisor.cache")
 
 
 class CacheStartError(RuntimeError):
@@ -64,7 +66,7 @@ class CacheHandle:
     def model(self) -> Path:
         return self.spec.model
 
-    def stats(self, timeout: float = 10.0) -> dict[str, Any]:
+    def stats(self, timeout: float = 10.0) -> StatsReply:
         """The cache's stats (a blocking call: from the event loop, run it in a thread)."""
         with CacheClient(self.socket, name="gateway", timeout=timeout) as client:
             return client.stats()
@@ -74,13 +76,13 @@ class CacheHandle:
         so it is polled)."""
         if self.process is not None:
             return await self.process.wait()
-        while self.pid is not None and _alive(self.pid):
+        while self.pid is not None and pid_alive(self.pid):
             await asyncio.sleep(poll)
         return None
 
     def remove_stale_socket(self) -> None:
         """The socket file of a cache process that died without removing it (kill -9), if nobody listens on it."""
-        _remove_if_stale(self.socket)
+        remove_if_stale(self.socket)
 
     async def stop(self) -> None:
         """Stop the cache process, ours or adopted; engines that attached keep their mappings."""
@@ -94,16 +96,6 @@ class CacheHandle:
             log_event(log, "cache_stopped", socket=self.socket, pid=self.pid, adopted=True)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process took the pid
-        return False
-    return True
-
-
 async def adopt_or_start(spec: CacheSpec, run_dir: Path, socket: Path, log_path: Path) -> CacheHandle:
     """The cache for ``spec`` at a gateway's start: one already serving it in the run dir (an earlier
     supervisor's, which died: the model is still resident, nothing is read from disk), else a new one on
@@ -111,39 +103,17 @@ async def adopt_or_start(spec: CacheSpec, run_dir: Path, socket: Path, log_path:
     key = _key(spec)
     adopted: CacheHandle | None = None
     for path in sorted(run_dir.glob("cache*.sock")):
-        if _remove_if_stale(path):  # left by a cache process that was killed
+        if remove_if_stale(path):  # left by a cache process that was killed
             continue
         with contextlib.suppress(CacheUnavailable, CacheRefused), CacheClient(path, name="gateway") as client:
-            pid = client.hello.get("pid")
-            if adopted is None and client.hello["key"] == key:
+            pid = client.hello.pid
+            if adopted is None and client.hello.key == key:
                 log_event(log, "cache_adopted", socket=path, pid=pid, key=key[:12])
                 adopted = CacheHandle(spec, path, key, None, pid)
                 continue
-            log_event(log, "cache_stale", socket=path, pid=pid, key=str(client.hello["key"])[:12])
-            await CacheHandle(spec, path, str(client.hello["key"]), None, pid).stop()
+            log_event(log, "cache_stale", socket=path, pid=pid, key=client.hello.key[:12])
+            await CacheHandle(spec, path, client.hello.key, None, pid).stop()
     return adopted or await start_or_adopt(spec, socket, log_path)
-
-
-def _remove_if_stale(path: Path) -> bool:
-    """Remove ``path`` if it is a socket file nobody listens on; whether it was."""
-    if not _stale(path):
-        return False
-    path.unlink(missing_ok=True)
-    return True
-
-
-def _stale(path: Path) -> bool:
-    """A socket file nobody listens on."""
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(str(path))
-    except (ConnectionRefusedError, FileNotFoundError):
-        return True
-    except OSError:
-        return False
-    finally:
-        probe.close()
-    return False
 
 
 def _key(spec: CacheSpec) -> str:
@@ -157,10 +127,10 @@ async def start_or_adopt(spec: CacheSpec, socket: Path, log_path: Path, timeout:
     """A cache for ``spec``: the one on ``socket`` if its key matches, else a new cache process."""
     key = _key(spec)
     with contextlib.suppress(CacheUnavailable, CacheRefused), CacheClient(socket, name="gateway") as client:
-        if client.hello["key"] == key:
-            log_event(log, "cache_adopted", socket=socket, pid=client.hello.get("pid"), key=key[:12])
-            return CacheHandle(spec, socket, key, None, client.hello.get("pid"))
-        serving = f"{client.hello.get('model')}, {client.hello.get('backend', 'native')} backend"
+        if client.hello.key == key:
+            log_event(log, "cache_adopted", socket=socket, pid=client.hello.pid, key=key[:12])
+            return CacheHandle(spec, socket, key, None, client.hello.pid)
+        serving = f"{client.hello.model}, {client.hello.backend} backend"
         raise CacheStartError(f"{socket} already serves other weights ({serving}); stop it or choose another run dir")
     with log_path.open("ab") as out:
         process = await asyncio.create_subprocess_exec(
@@ -177,7 +147,7 @@ async def start_or_adopt(spec: CacheSpec, socket: Path, log_path: Path, timeout:
             raise CacheStartError(f"the cache process exited with {process.returncode}: {tail[0]}")
         try:
             with CacheClient(socket, name="gateway") as client:
-                if client.hello["key"] != key:
+                if client.hello.key != key:
                     raise CacheStartError("the cache process serves another key than expected")
             log_event(log, "cache_started", socket=socket, pid=process.pid, key=key[:12])
             return handle

@@ -11,21 +11,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import signal
-import struct
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from app.terminate import terminate
-from cache.events import log_event
+from app.supervisor.terminate import terminate
+from common.events import log_event
+from common.framing import ProtocolError, read_message, write_message
+from common.processes import pid_alive
+from engine.fork_protocol import ChildExit, SpawnReply, SpawnRequest
 
-log = logging.getLogger("warmgate.gateway.forks")
-_HEADER = struct.Struct("!I")
+log = logging.getLogger("warmgate.supervisor.forks")
 START_TIMEOUT = 120.0  # seconds for a new fork server to import torch and listen
 
 
@@ -42,19 +42,21 @@ class ForkedProcess:
         self._exited = asyncio.get_running_loop().create_task(self._exit_code(reader, writer))
 
     async def _exit_code(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> int:
+        exit_notice: ChildExit | None = None
         try:
-            message = await _read_message(reader)
-        except (OSError, asyncio.IncompleteReadError, ValueError):
-            message = None
+            message = await read_message(reader)
+            exit_notice = ChildExit.model_validate(message) if message is not None else None
+        except (OSError, ProtocolError, ValueError):
+            pass
         finally:
             writer.close()
-        if message is None or not isinstance(message.get("exit"), int):
+        if exit_notice is None:
             # The fork server died first; its orphaned child was re-parented: watch the pid instead.
-            while _alive(self.pid):
+            while pid_alive(self.pid):
                 await asyncio.sleep(0.1)
             code = -signal.SIGKILL.value  # unknown; most likely killed
         else:
-            code = message["exit"]
+            code = exit_notice.exit
         self.returncode = code
         return code
 
@@ -123,43 +125,21 @@ class ForkServer:
             raise ForkServerUnavailable("the fork server is not running")
         try:
             reader, writer = await asyncio.open_unix_connection(str(self.socket))
-            body = json.dumps({"op": "spawn", "argv": argv, "log": str(log_path)}).encode()
-            writer.write(_HEADER.pack(len(body)) + body)
+            write_message(writer, SpawnRequest(argv=argv, log=str(log_path)).model_dump())
             await writer.drain()
-            reply = await asyncio.wait_for(_read_message(reader), 30)
-        except (OSError, asyncio.IncompleteReadError, TimeoutError, ValueError) as exc:
+            message = await asyncio.wait_for(read_message(reader), 30)
+        except (OSError, ProtocolError, TimeoutError) as exc:
             raise ForkServerUnavailable(f"the fork server did not answer: {exc}") from None
-        if reply is None or not reply.get("ok"):
+        try:
+            reply = SpawnReply.model_validate(message)
+        except ValueError:
             writer.close()
-            raise ForkServerUnavailable(f"the fork server refused: {reply}")
-        return ForkedProcess(int(reply["pid"]), reader, writer)
+            raise ForkServerUnavailable(f"the fork server refused: {message}") from None
+        return ForkedProcess(reply.pid, reader, writer)
 
     async def stop(self) -> None:
         if self.process is not None:
             await terminate(self.process, 10)
-
-
-async def _read_message(reader: asyncio.StreamReader) -> dict[str, Any] | None:
-    try:
-        header = await reader.readexactly(_HEADER.size)
-    except asyncio.IncompleteReadError as exc:
-        if not exc.partial:
-            return None
-        raise
-    (length,) = _HEADER.unpack(header)
-    message = json.loads(await reader.readexactly(length))
-    if not isinstance(message, dict):
-        raise ValueError("the fork server sent something other than a JSON object")
-    return message
-
-
-def _alive(pid: int) -> bool:
-    """Running, not a zombie: an orphan's new parent may be slow to reap it (or never do)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def open_socket(path: Path) -> Any:

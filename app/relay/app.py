@@ -1,0 +1,209 @@
+"""A relay's HTTP app: the OpenAI routes relayed to the active engine, health, readiness, metrics, and the admin
+API (authorized here, carried out by the supervisor).
+
+Per request the routes do the checks a client must get from the gateway itself (API key, body size, a JSON
+object, the fields the relay acts on); the engine validates the rest. The response of a relayed request
+is a bare ASGI callable (``RelayedResponse``): it runs the relay with uvicorn's ``send`` and watches
+``receive`` for the client's disconnect, so per streamed token there is no framework code at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from app.metrics import CONTENT_TYPE, render
+from app.relay.inflight import CHAT, COMPLETIONS, InFlight, InvalidRequest
+from app.relay.link import SupervisorGone, SupervisorLink
+from app.relay.openapi import document_bodies
+from app.relay.relay import Relay, ResponseSink
+from app.relay.table import TableView
+from app.relay.upstream import EngineUnreachable, StreamCut, request_head
+from engine.protocol import ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse
+
+READY_PROBE = json.dumps({"prompt": "Hi", "max_tokens": 1}).encode()
+READY_TIMEOUT_S = 30.0
+
+
+def openai_error(status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
+                 param: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:  # fmt: skip
+    body = ErrorResponse(error=ErrorInfo(message=message, type=kind, code=code, param=param))
+    return JSONResponse(body.model_dump(mode="json"), status_code=status, headers=headers)
+
+
+class RelayedResponse(Response):
+    """The ASGI response of one relayed request: the relay writes to the client; a client that disconnects
+    (uvicorn's ``receive`` says so) cancels the relay, which closes the engine's connection, and the engine
+    stops generating for it. (A Response only to FastAPI's eyes: nothing of Response's own is used.)"""
+
+    def __init__(self, relay: Relay, request: InFlight) -> None:  # noqa: no super().__init__: no body, no headers
+        self.relay = relay
+        self.request = request
+        self.background = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        sink = ResponseSink(send)
+        task = asyncio.current_task()
+        assert task is not None
+        left: list[bool] = []
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            if not sink.complete:  # uvicorn also says "disconnect" once the response has been sent
+                left.append(True)
+                task.cancel()
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await self.relay.serve(self.request, sink)
+        except asyncio.CancelledError:
+            if not left:
+                raise
+            task.uncancel()
+        finally:
+            watcher.cancel()
+
+
+def create_app(table: TableView, relay: Relay, link: SupervisorLink) -> FastAPI:
+    """The app one relay serves."""
+    app = FastAPI(title="warmgate", docs_url=None, redoc_url=None)
+    document_bodies(app, {COMPLETIONS: CompletionRequest, CHAT: ChatCompletionRequest})
+
+    def authorized(request: Request, tokens: list[str]) -> bool:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and any(secrets.compare_digest(token, t) for t in tokens)
+
+    def unauthorized() -> JSONResponse:
+        return openai_error(401, "invalid or missing API key (Authorization: Bearer ...)", "authentication_error")
+
+    async def read_object(request: Request) -> dict[str, Any] | JSONResponse:
+        """The request body as a JSON object, or the error to answer: 413 beyond max_body_bytes (refused before
+        more is read), 400 for anything but a JSON object (pathological nesting included)."""
+        limit = table.settings.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            return openai_error(413, f"the request body ({int(declared)} bytes) exceeds the limit of {limit} bytes")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                return openai_error(413, f"the request body exceeds the limit of {limit} bytes")
+        if not body:
+            return {}
+        try:
+            payload = json.loads(body)
+        except (ValueError, RecursionError) as exc:
+            why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+            return openai_error(400, f"invalid JSON body: {why}")
+        if not isinstance(payload, dict):
+            return openai_error(400, "invalid JSON body: the body must be a JSON object")
+        return payload
+
+    async def relayed(request: Request, route: str) -> Response:
+        if table.settings.api_keys and not authorized(request, table.settings.api_keys):
+            relay.metrics.requests.labels(route, "401").inc()
+            return unauthorized()
+        payload = await read_object(request)
+        if isinstance(payload, JSONResponse):
+            relay.metrics.requests.labels(route, str(payload.status_code)).inc()
+            return payload
+        try:
+            inflight = InFlight.of(route, payload)
+        except InvalidRequest as exc:
+            relay.metrics.requests.labels(route, "400").inc()
+            return openai_error(400, str(exc), param=exc.param)
+        return RelayedResponse(relay, inflight)
+
+    @app.post(COMPLETIONS, response_model=None)
+    async def completions(request: Request) -> Response:
+        return await relayed(request, COMPLETIONS)
+
+    @app.post(CHAT, response_model=None)
+    async def chat_completions(request: Request) -> Response:
+        return await relayed(request, CHAT)
+
+    async def ask_active(method: str, path: str, body: bytes, timeout: float) -> tuple[int, bytes] | str:
+        """One exchange with the active engine, outside admission (a probe, the model list): its status and
+        body, or why there is none."""
+        engine = table.active
+        if engine is None:
+            cache = table.table.cache_down if table.table is not None else None
+            return f"no active engine ({cache})" if cache else "no active engine"
+        try:
+            connection = await asyncio.wait_for(relay.pool.send(engine.socket, request_head(method, path, body)),
+                                                timeout)  # fmt: skip
+            try:
+                return connection.status, await asyncio.wait_for(connection.read_all(), timeout)
+            finally:
+                relay.pool.release(engine.socket, connection)
+        except (EngineUnreachable, StreamCut, TimeoutError) as exc:
+            return f"the active engine did not answer: {type(exc).__name__}: {exc}"
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        if table.settings.api_keys and not authorized(request, table.settings.api_keys):
+            return unauthorized()
+        answer = await ask_active("GET", "/v1/models", b"", READY_TIMEOUT_S)
+        if isinstance(answer, str):
+            return openai_error(503, answer, "service_unavailable")
+        return Response(answer[1], status_code=answer[0], media_type="application/json")
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        """Ready once the active engine answers a real 1-token generation."""
+        answer = await ask_active("POST", COMPLETIONS, READY_PROBE, READY_TIMEOUT_S)
+        if isinstance(answer, str):
+            return openai_error(503, answer, "service_unavailable")
+        if answer[0] != 200:
+            return openai_error(503, f"the active engine answered {answer[0]}", "service_unavailable")
+        current = table.table
+        assert current is not None and current.active is not None
+        # Engines serve on their mappings while the cache process restarts: ready, and saying so.
+        return JSONResponse({"status": "ready", "engine": current.active.id, "cache": current.cache_down or "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(await asyncio.to_thread(render), media_type=CONTENT_TYPE)
+
+    async def admin(request: Request, op: str) -> Response:
+        if not authorized(request, [table.settings.admin_token]):
+            return openai_error(401, "admin token required (Authorization: Bearer ...)", "authentication_error")
+        body = await read_object(request) if op == "restart" else {}
+        if isinstance(body, JSONResponse):
+            return body
+        try:
+            reply = await link.admin(op, body)
+        except SupervisorGone as exc:
+            return openai_error(503, f"the supervisor did not answer: {exc}", "service_unavailable")
+        return JSONResponse(reply.body, status_code=reply.status)
+
+    @app.post("/admin/restart")
+    async def admin_restart(request: Request) -> Response:
+        return await admin(request, "restart")
+
+    @app.post("/admin/reload")
+    async def admin_reload(request: Request) -> Response:
+        return await admin(request, "reload")
+
+    @app.get("/admin/status")
+    async def admin_status(request: Request) -> Response:
+        return await admin(request, "status")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """404, 405 and the like in the OpenAI error shape."""
+        return openai_error(exc.status_code, f"{exc.detail}", "invalid_request_error", code=str(exc.status_code))
+
+    return app

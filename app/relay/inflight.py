@@ -1,0 +1,208 @@
+"""A request in flight through a relay: what its client has received, enough to resume it on another engine.
+
+A relay always asks an engine for its internal stream (``stream: true`` and the resumable header): the SSE
+data events a client would get, each token's event followed by a comment line with the token ids it
+consumed and the characters of text sent so far (``engine.protocol.InternalEvent``), and before them a
+comment with the prompt's ids. The relay passes the data lines on and keeps the comments. When the
+engine fails (its socket errors, the stream is cut, or it ends the request with ``engine_stopped``), the
+request goes to the next active engine with ``warmgate_resume``: same id, the prompt and generated ids,
+the characters the client has. The client's stream goes on where it stopped; a non-streaming client
+gets the response assembled from the events, as if nothing happened.
+
+Per event the relay does byte searches only: the comments are kept as raw JSON and parsed together when
+they are needed (a resume, the token counts at the end), in one ``json.loads`` of all of them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.protocol import (
+    SSE_INTERNAL,
+    AssistantMessage,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionResponse,
+    ErrorInfo,
+    ErrorResponse,
+    FinishReason,
+    InternalEvent,
+    Resume,
+    Usage,
+)
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+DONE = b"data: [DONE]\n\n"
+_DONE_EVENT = DONE[:-2]
+_INTERNAL = SSE_INTERNAL.encode()
+_NOTE = b"\n" + _INTERNAL  # where a token event's comment line begins
+_ERROR = b'data: {"error"'
+
+
+class InvalidRequest(ValueError):
+    """A field the relay acts on has the wrong type (the engine validates the rest)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class EngineStopped(Exception):
+    """The engine ended the request with ``engine_stopped``: it stopped before the request finished."""
+
+
+@dataclass
+class Progress:
+    """What the comments kept so far say: every generated id, the characters sent, the last finish reason."""
+
+    output_ids: list[int] = field(default_factory=list)
+    chars: int = 0
+    finish: str | None = None
+    parsed: int = 0  # comments folded in
+
+
+@dataclass
+class InFlight:
+    route: str
+    payload: dict[str, Any]  # the client's request (a client's own warmgate_resume is dropped)
+    streams: bool = False
+    wants_usage: bool = False
+    arrived: float = field(default_factory=time.perf_counter)
+    prompt_ids: list[int] | None = None
+    id: str | None = None
+    created: int | None = None
+    model: str = ""
+    started: bool = False  # a data event has reached the client (or the assembler)
+    finish_seen: bool = False  # the last token's event has been relayed
+    failed: bool = False  # the engine ended the stream with a final error, which the client got
+    done: bool = False  # [DONE] relayed: nothing more to come
+    first_token_at: float | None = None
+    resumes: int = 0
+    _notes: list[bytes] = field(default_factory=list)
+    _progress: Progress = field(default_factory=Progress)
+    _pieces: list[bytes] = field(default_factory=list)  # a non-streaming request's data events, as JSON
+
+    @classmethod
+    def of(cls, route: str, payload: dict[str, Any]) -> InFlight:
+        """The request, with the fields the relay acts on checked: InvalidRequest names a wrong one."""
+        stream = payload.get("stream")
+        if stream is not None and not isinstance(stream, bool):
+            raise InvalidRequest("stream", f"stream: must be a boolean, not {type(stream).__name__}")
+        options = payload.get("stream_options")
+        if options is not None and not isinstance(options, dict):
+            raise InvalidRequest("stream_options", "stream_options: must be an object")
+        usage = (options or {}).get("include_usage")
+        if usage is not None and not isinstance(usage, bool):
+            raise InvalidRequest("stream_options", "stream_options.include_usage: must be a boolean")
+        payload.pop("warmgate_resume", None)
+        return cls(route, payload, streams=bool(stream), wants_usage=bool(stream and usage))
+
+    def body(self) -> bytes:
+        """What to send to an engine: the client's request as a stream, with where to resume from."""
+        payload = {**self.payload, "stream": True}
+        if self.prompt_ids is not None and self.id is not None and self.created is not None:
+            progress = self.progress()
+            resume = Resume(id=self.id, created=self.created, prompt_ids=self.prompt_ids,
+                            output_ids=progress.output_ids, chars=progress.chars, started=self.started)  # fmt: skip
+            payload["warmgate_resume"] = resume.model_dump()
+        return json.dumps(payload).encode()
+
+    def take(self, events: list[bytes]) -> bytes:
+        """Complete SSE events from the engine (without their blank line): what the client gets of them.
+
+        The state follows them. Raises EngineStopped for the error event of an engine that stopped with the
+        request unfinished."""
+        out: list[bytes] = []
+        for event in events:
+            if event.startswith(_INTERNAL):  # the opening comment: the prompt's ids
+                if self.prompt_ids is None:
+                    opening = InternalEvent.model_validate_json(event[len(_INTERNAL) :])
+                    self.prompt_ids, self.id, self.created = opening.prompt_ids, opening.id, opening.created
+                    self.model = opening.model or ""
+                continue
+            if event == _DONE_EVENT:
+                self.done = True
+                if self.streams:
+                    out.append(DONE)
+                break
+            at = event.find(_NOTE)
+            if at >= 0:
+                note = event[at + len(_NOTE) :]
+                self._notes.append(note)
+                if self.first_token_at is None:
+                    self.first_token_at = time.perf_counter()
+                if b'"finish"' in note:
+                    self.finish_seen = True
+                event = event[:at]
+            elif event.startswith(_ERROR):
+                error = json.loads(event[6:])["error"]
+                if error.get("code") == "engine_stopped":
+                    raise EngineStopped(error.get("message", "engine stopped"))
+                self.failed = True  # a final error: the client gets it, then [DONE]
+            self.started = True
+            if self.streams:
+                out.append(event + b"\n\n")
+            else:
+                self._pieces.append(event[6:])
+        return b"".join(out)
+
+    def progress(self) -> Progress:
+        """The ids and characters sent so far (the comments not yet read are parsed now, all in one call)."""
+        progress = self._progress
+        if progress.parsed < len(self._notes):
+            for note in json.loads(b"[" + b",".join(self._notes[progress.parsed :]) + b"]"):
+                progress.output_ids += note.get("ids", ())
+                progress.chars = note.get("chars", progress.chars)
+                progress.finish = note.get("finish") or progress.finish
+            progress.parsed = len(self._notes)
+        return progress
+
+    def usage(self) -> Usage:
+        return Usage.of(len(self.prompt_ids or ()), len(self.progress().output_ids))
+
+    def ending(self) -> bytes:
+        """What a stream still needs after the last token's event, when its engine failed in between: the usage
+        chunk if it was asked for, then [DONE]."""
+        if not self.wants_usage or self.failed:
+            return DONE
+        kind = ChatCompletionChunk if self.route == CHAT else CompletionChunk
+        chunk = kind(id=self.id or "", created=self.created or 0, model=self.model, choices=[], usage=self.usage())
+        return f"data: {chunk.model_dump_json()}\n\n".encode() + DONE
+
+    # -- a non-streaming client ---------------------------------------------------------------------------
+
+    def response(self) -> tuple[int, dict[str, Any]]:
+        """The OpenAI response of a non-streaming request, from the events kept by take(): (status, body)."""
+        chunks = json.loads(b"[" + b",".join(self._pieces) + b"]")
+        pieces: list[str] = []
+        for chunk in chunks:
+            if "error" in chunk:
+                kind = chunk["error"].get("type")
+                return (500 if kind == "server_error" else 503), chunk
+            for choice in chunk.get("choices", ()):
+                piece = choice["delta"].get("content") if self.route == CHAT else choice.get("text")
+                if piece:
+                    pieces.append(piece)
+        text = "".join(pieces)
+        finish: FinishReason = "length" if self.progress().finish == "length" else "stop"
+        rid, created, usage = self.id or "", self.created or 0, self.usage()
+        if self.route == CHAT:
+            choice = ChatCompletionChoice(message=AssistantMessage(content=text), finish_reason=finish)
+            chat = ChatCompletionResponse(id=rid, created=created, model=self.model, choices=[choice], usage=usage)
+            return 200, chat.model_dump(mode="json")
+        completion = CompletionResponse(id=rid, created=created, model=self.model, usage=usage,
+                                        choices=[CompletionChoice(text=text, finish_reason=finish)])  # fmt: skip
+        return 200, completion.model_dump(mode="json")
+
+
+def error_event(message: str, code: str = "engine_failed") -> bytes:
+    """The event that ends a stream that cannot go on (then [DONE]), in the OpenAI error shape."""
+    error = ErrorResponse(error=ErrorInfo(message=message, type="server_error", code=code))
+    return f"data: {error.model_dump_json()}\n\n".encode() + DONE

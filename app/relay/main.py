@@ -1,0 +1,104 @@
+"""A relay worker process (data plane): serves the OpenAI API on the gateway's listening socket, which every relay
+shares (opened once by the supervisor and inherited, as nginx's workers share theirs), on uvloop and httptools.
+
+    warmgate relay --control RUN_DIR/control.sock --listen-fd N --index I     (started by `warmgate serve`)
+
+It takes its engine table and settings from the supervisor (app/relay/link.py) before it accepts anything.
+SIGTERM (or the supervisor's end) stops accepting; requests in flight get up to ``drain_timeout`` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Generator
+from pathlib import Path
+from typing import Any
+
+from common.events import configure_logging, log_event
+
+log = logging.getLogger("warmgate.relay")
+
+
+def main(control: Path, listen_fd: int, index: int, drain_timeout: float) -> int:
+    started = time.perf_counter()
+    configure_logging()
+    import uvloop
+
+    uvloop.run(_serve(control, listen_fd, index, drain_timeout, started))
+    return 0
+
+
+async def _serve(control: Path, listen_fd: int, index: int, drain_timeout: float, started: float) -> None:
+    import uvicorn
+
+    from app.control import Table
+    from app.metrics import RelayMetrics
+    from app.relay.admission import Admission
+    from app.relay.app import create_app
+    from app.relay.link import SupervisorLink
+    from app.relay.relay import Relay
+    from app.relay.table import TableView
+    from app.relay.upstream import EnginePool
+
+    table, pool, metrics = TableView(), EnginePool(), RelayMetrics()
+    admission = Admission(table, metrics)
+
+    def on_table(new: Table) -> None:
+        table.apply(new)
+        admission.kick()
+        pool.forget({e.socket for e in (new.active, *new.standbys, *new.draining) if e is not None})
+
+    link = SupervisorLink(control, index, on_table)
+    await link.connect()
+    relay = Relay(table, admission, pool, metrics, link.report_failure)
+    app = create_app(table, relay, link)
+    listener = socket.socket(fileno=listen_fd)
+    listener.setblocking(False)
+    config = uvicorn.Config(app, http="httptools", log_config=None, log_level="warning", access_log=False,
+                            lifespan="off", timeout_graceful_shutdown=max(1, int(drain_timeout)),
+                            timeout_keep_alive=30)  # fmt: skip
+    server = _server_class()(config)
+    loop = asyncio.get_running_loop()
+
+    def stop(reason: str) -> None:
+        if not server.should_exit:
+            log_event(log, "stopping", relay=index, reason=reason)
+        server.should_exit = True
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop, sig.name)
+    following = asyncio.create_task(link.run())
+    following.add_done_callback(lambda _: stop("the supervisor went away"))
+    # What start-up made lives as long as the relay: out of the collector's generations, full collections while
+    # serving do not walk it again.
+    gc.collect()
+    gc.freeze()
+    log_event(log, "ready", relay=index, pid=os.getpid(), generation=table.generation,
+              seconds=time.perf_counter() - started)  # fmt: skip
+    try:
+        await server.serve(sockets=[listener])
+    finally:
+        following.cancel()
+        link.close()
+        pool.close()
+        log_event(log, "exit", relay=index, seconds=time.perf_counter() - started)
+
+
+def _server_class() -> Any:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn without its own signal handlers: the relay decides when to stop."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Generator[None, None, None]:
+            yield
+
+    return Server

@@ -1,0 +1,552 @@
+"""The reconciler: the one loop that decides which engines run, as gunicorn's Arbiter decides which workers do.
+
+Desired state: an active engine running config C, started or promoted for the latest restart request, and
+``standby`` standbys running C. Everything that happens to engines arrives as an event on one queue: a
+restart asked for, an engine started (or failed to), a promotion probe answered, a process exited, a
+heartbeat stopped, a drain finished, a timer. The loop applies each event to the engines' states
+(``engines.transition``; this loop is its only caller), compares what runs with what is wanted, and
+starts the next small action as a task (start, probe, retire) that reports back with another event. No
+action blocks the loop: a crash is handled while another engine starts, and nothing else writes state.
+
+A restart request goes through these phases (``Phase``):
+
+    pick      a standby running the requested config? probe it (a real 1-token generation)
+    clear     ``replace``: drain and stop the old engine first, while requests wait in the relays
+    obtain    no standby: start an engine (forked from the fork server, else spawned)
+    switch    the new engine becomes active; the relays get the new table; ``overlap``: the old engine is
+              drained once every relay has stopped sending it requests
+    finish    the report is complete when the old engine has stopped
+
+A crash of the active engine leaves none active: the loop then carries out a restart of its own (reason
+"crash", standby first), with backoff after failures. A new engine that fails to start is stopped and
+reported; the old engine keeps serving (``overlap``), or the last good config comes back (``replace``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from app.config import RestartSettings
+from app.metrics import SupervisorMetrics
+from app.supervisor.engines import Engine, EngineStartError, EngineState, RestartReport, transition
+from app.supervisor.launcher import Launcher
+from common.backoff import Backoff
+from common.events import log_event, log_warning
+from engine.config import EngineConfig
+
+log = logging.getLogger("warmgate.supervisor.engines")
+PROBE_TIMEOUT_S = 30.0  # a standby's promotion probe
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Where requests go: what the relays' table is made of."""
+
+    active: Engine | None
+    standbys: tuple[Engine, ...]
+    draining: tuple[Engine, ...]
+
+    def key(self) -> tuple[Any, ...]:
+        ids = (lambda engines: tuple(e.id for e in engines))  # noqa: E731
+        return (self.active.id if self.active else None, ids(self.standbys), ids(self.draining))
+
+
+# -- events: everything that happens to engines ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RestartRequest:
+    """A change of desired state: the active engine must run ``config``, started (or promoted) for this request."""
+
+    config: EngineConfig
+    strategy: str
+    reason: str
+    done: asyncio.Future[RestartReport] | None = None
+
+
+@dataclass(frozen=True)
+class Started:
+    engine: Engine
+
+
+@dataclass(frozen=True)
+class StartFailed:
+    engine: Engine
+    error: str
+
+
+@dataclass(frozen=True)
+class Probed:
+    engine: Engine
+    error: str | None  # None: it answered
+
+
+@dataclass(frozen=True)
+class Exited:
+    engine: Engine
+    code: int
+
+
+@dataclass(frozen=True)
+class Hung:
+    engine: Engine
+    silent_s: float
+
+
+@dataclass(frozen=True)
+class Suspected:
+    """A relay saw the engine fail a request."""
+
+    engine: int
+    why: str
+
+
+@dataclass(frozen=True)
+class Stopped:
+    engine: Engine
+
+
+@dataclass(frozen=True)
+class Wake:
+    """A timer ran out or the settings changed: look again."""
+
+
+Event = RestartRequest | Started | StartFailed | Probed | Exited | Hung | Suspected | Stopped | Wake
+
+
+class Phase(Enum):
+    PICK = "pick"
+    PROBING = "probing"
+    CLEAR = "clear"
+    DRAINING_OLD = "draining old"
+    OBTAIN = "obtain"
+    STARTING = "starting"
+    SWITCH = "switch"
+    FINISH = "finish"
+
+
+@dataclass
+class Restart:
+    """A restart request being carried out."""
+
+    request: RestartRequest
+    report: RestartReport
+    old: Engine | None  # the active engine when it began
+    phase: Phase = Phase.PICK
+    candidate: Engine | None = None  # the engine that will take over
+    began: float = field(default_factory=time.perf_counter)
+    mark: float = field(default_factory=time.perf_counter)  # when the current phase began
+
+    def lap(self) -> float:
+        now = time.perf_counter()
+        seconds, self.mark = now - self.mark, now
+        return seconds
+
+
+class Reconciler:
+    def __init__(self, run_dir: Path, limits: RestartSettings, launcher: Launcher, metrics: SupervisorMetrics,
+                 on_routing: Callable[[Routing], Awaitable[None]]) -> None:  # fmt: skip
+        self.run_dir = run_dir
+        self.limits = limits
+        self.launcher = launcher
+        self.metrics = metrics
+        self.on_routing = on_routing  # publishes the routing; resolves once the relays have it
+        self.engines: dict[int, Engine] = {}
+        self.desired: EngineConfig | None = None  # the config the last good restart switched to
+        self.reports: deque[RestartReport] = deque(maxlen=20)
+        self._events: asyncio.Queue[Event] = asyncio.Queue()
+        self._requests: deque[RestartRequest] = deque()
+        self._restart: Restart | None = None
+        self._building: Engine | None = None  # the standby being started
+        self._lost = "crash"  # why no engine is active, when none is: the reason of the recovery's report
+        self._recovery = Backoff(limits.crash_backoff, limits.crash_backoff_max)
+        self._standby_backoff = Backoff(limits.crash_backoff, limits.crash_backoff_max)
+        self._routing_key: tuple[Any, ...] | None = None
+        self._routed: asyncio.Future[None] | None = None  # the relays have the latest routing
+        self._ids = itertools.count(1)
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._closing = False
+
+    # -- what runs, read off the states -------------------------------------------------------------------
+
+    @property
+    def active(self) -> Engine | None:
+        return next((e for e in self.engines.values() if e.state is EngineState.ACTIVE), None)
+
+    def standbys(self) -> list[Engine]:
+        """Standbys free for the next restart (the one being probed for a restart is not)."""
+        candidate = self._restart.candidate if self._restart is not None else None
+        return [e for e in self.engines.values() if e.state is EngineState.STANDBY and e is not candidate]
+
+    def routing(self) -> Routing:
+        engines = self.engines.values()
+        return Routing(self.active, tuple(e for e in engines if e.state is EngineState.STANDBY),
+                       tuple(e for e in engines if e.state is EngineState.DRAINING))  # fmt: skip
+
+    # -- what the supervisor asks ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._loop_task is None:
+            self._loop_task = asyncio.create_task(self._loop())
+
+    async def restart(self, config: EngineConfig | None, strategy: str, reason: str) -> RestartReport:
+        """Want an active engine started (or promoted) for this request with ``config`` (none: the current one)."""
+        wanted = config or self.desired
+        if wanted is None:
+            raise ValueError("no engine config yet: the first engine has not started")
+        done: asyncio.Future[RestartReport] = asyncio.get_running_loop().create_future()
+        self.post(RestartRequest(wanted, strategy, reason, done))
+        return await done
+
+    def post(self, event: Event) -> None:
+        """Hand an event to the loop (from any task of the supervisor's event loop)."""
+        self._events.put_nowait(event)
+
+    def configure(self, limits: RestartSettings) -> None:
+        """New [restart] settings (a reload): from the next use on; the loop starts or retires standbys to match."""
+        self.limits = limits
+        self._recovery.configure(limits.crash_backoff, limits.crash_backoff_max)
+        self._standby_backoff.configure(limits.crash_backoff, limits.crash_backoff_max)
+        self.post(Wake())
+
+    async def close(self) -> None:
+        self._closing = True
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for request in self._requests:
+            if request.done is not None:
+                request.done.cancel()
+        if self._restart is not None and self._restart.request.done is not None:
+            self._restart.request.done.cancel()
+        grace = self.limits.drain_timeout + 10
+        await asyncio.gather(*(self.launcher.stop(e, grace) for e in list(self.engines.values())),
+                             return_exceptions=True)  # fmt: skip
+        self.engines.clear()
+
+    def status(self) -> dict[str, Any]:
+        active = self.active
+        return {
+            "active": active.id if active else None,
+            "standbys": [e.id for e in self.standbys()],
+            "engines": [e.describe() for e in self.engines.values()],
+            "restarts": [r.to_json() for r in self.reports],
+        }
+
+    # -- the loop -------------------------------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        while True:
+            event = await self._events.get()
+            try:
+                self._apply(event)
+                self._reconcile()
+            except Exception:  # the loop must outlive any one failure (a bug); its requests get a failed report
+                log.exception("event=reconcile_failed")
+                if self._restart is not None:
+                    self._fail(self._restart, "internal error in the reconciler (see the log)")
+            self._publish()
+            self.metrics.engine_states([e.state.value for e in self.engines.values()])
+
+    def _apply(self, event: Event) -> None:
+        r = self._restart
+        if isinstance(event, RestartRequest):
+            self._requests.append(event)
+        elif isinstance(event, Started):
+            self._started(event.engine)
+        elif isinstance(event, StartFailed):
+            self._start_failed(event.engine, event.error)
+        elif isinstance(event, Probed):
+            if r is not None and r.candidate is event.engine and r.phase is Phase.PROBING:
+                r.report.phases["probe"] = r.lap()
+                if event.error is None:
+                    r.phase = Phase.CLEAR
+                else:
+                    log_warning(log, "standby_refused", engine=event.engine.id,
+                              error=event.error)  # fmt: skip
+                    self._fail_engine(event.engine)
+                    r.candidate, r.report.path, r.phase = None, None, Phase.PICK
+        elif isinstance(event, Exited):
+            self._exited(event.engine, event.code)
+        elif isinstance(event, Hung):
+            engine = event.engine
+            if engine.state in (EngineState.ACTIVE, EngineState.STANDBY) and engine.process is not None:
+                log_warning(log, "engine_hung", engine=engine.id, pid=engine.pid,
+                          silent_s=event.silent_s)  # fmt: skip
+                self.metrics.hung.inc()
+                with contextlib.suppress(ProcessLookupError):
+                    engine.process.kill()  # its Exited event follows: handled as a crash
+        elif isinstance(event, Suspected):
+            # Nothing to decide here: an engine that exited is reported by its watcher, one that stopped making
+            # progress by its heartbeat; one that does neither failed one connection and serves on.
+            if event.engine in self.engines:
+                log_event(log, "engine_suspected", engine=event.engine, why=event.why)
+        elif isinstance(event, Stopped):
+            self._stopped(event.engine)
+
+    def _reconcile(self) -> None:
+        if self._closing:
+            return
+        if self._restart is None and self._requests:
+            request = self._requests.popleft()
+            self._restart = Restart(request, RestartReport(request.reason, request.strategy), self.active)
+        if self._restart is None and self.active is None and self.desired is not None:
+            wait = self._recovery.remaining()
+            if wait > 0:
+                self._wake_in(wait)
+            else:
+                recovery = RestartRequest(self.desired, "replace", self._lost)
+                self._restart = Restart(recovery, RestartReport(recovery.reason, recovery.strategy), None)
+        if self._restart is not None:
+            self._advance(self._restart)
+        if self._restart is None:
+            self._reconcile_standbys()
+
+    def _advance(self, r: Restart) -> None:
+        """Take the restart through as many phases as it can go without waiting for an event."""
+        while True:
+            if r.phase is Phase.PICK:
+                standby = next((e for e in self.standbys() if e.config == r.request.config), None)
+                if standby is not None:
+                    r.candidate, r.report.path, r.phase = standby, "standby", Phase.PROBING
+                    r.lap()
+                    self._spawn(self._probe(standby))
+                    return
+                r.phase = Phase.CLEAR
+            elif r.phase is Phase.CLEAR:
+                old = r.old
+                if r.request.strategy == "replace" and old is not None and old.state is EngineState.ACTIVE:
+                    r.lap()
+                    self._retire(old)
+                    r.phase = Phase.DRAINING_OLD
+                    return
+                r.phase = Phase.OBTAIN
+            elif r.phase is Phase.OBTAIN:
+                if r.candidate is None:
+                    r.candidate = self._launch(r.request.config, r.report)
+                    r.phase = Phase.STARTING
+                    return
+                r.phase = Phase.SWITCH
+            elif r.phase is Phase.SWITCH:
+                self._switch(r)
+                return
+            else:  # PROBING, DRAINING_OLD, STARTING, FINISH: waiting for an event
+                return
+
+    def _switch(self, r: Restart) -> None:
+        engine = r.candidate
+        assert engine is not None
+        r.lap()
+        old = self.active
+        transition(engine, EngineState.ACTIVE)
+        if old is not None and old is not engine:
+            self._retire(old)  # `overlap`: the old one drains once the relays have the new table
+        r.old = old
+        self._publish()
+        report = r.report
+        report.phases["switch"] = r.lap()
+        report.switched_at, report.ok, report.engine = time.time(), True, engine.id
+        report.weight_source = engine.health.weights.source if engine.health is not None else None
+        report.path = report.path or engine.path
+        self.desired = r.request.config
+        self._recovery.succeeded()
+        if old is not None and old is not engine:
+            r.phase = Phase.FINISH
+        else:
+            self._complete(r)
+
+    def _complete(self, r: Restart) -> None:
+        report = r.report
+        report.phases["total"] = time.perf_counter() - r.began
+        self.reports.append(report)
+        self.metrics.restart_done(report)
+        (log_event if report.ok else log_warning)(log, "restart", reason=report.reason,
+                  strategy=report.strategy, ok=report.ok, engine=report.engine, weight_source=report.weight_source,
+                  path=report.path, error=report.error,
+                  **{f"{k}_s": v for k, v in report.phases.items()})  # fmt: skip
+        if r.request.done is not None and not r.request.done.done():
+            r.request.done.set_result(report)
+        self._restart = None
+        if not report.ok and self.active is None:  # nothing serves: try again later, slower each time
+            self._lost = "replace failed" if r.request.strategy == "replace" and r.old is not None else self._lost
+            self._wake_in(self._recovery.failed())
+
+    def _fail(self, r: Restart, error: str) -> None:
+        r.report.error = error
+        r.report.ok = False
+        self._complete(r)
+
+    # -- events ---------------------------------------------------------------------------------------------
+
+    def _started(self, engine: Engine) -> None:
+        if engine.state is not EngineState.STARTING:  # closed meanwhile
+            return
+        transition(engine, EngineState.READY)
+        self._spawn(self._watch(engine))
+        r = self._restart
+        if r is not None and r.candidate is engine:
+            r.phase = Phase.SWITCH
+            return
+        # a standby build: kept if it is still wanted (the config may have changed while it started)
+        self._building = None
+        self._standby_backoff.succeeded()
+        current = [e for e in self.standbys() if e.config == self.desired]
+        if self._closing or engine.config != self.desired or len(current) >= self.limits.standby:
+            self._retire(engine)
+            return
+        transition(engine, EngineState.STANDBY)
+        log_event(log, "standby_ready", engine=engine.id, path=engine.path)
+
+    def _start_failed(self, engine: Engine, error: str) -> None:
+        self._forget(engine, EngineState.FAILED)
+        r = self._restart
+        if r is not None and r.candidate is engine:
+            r.candidate = None
+            self._fail(r, error)
+            return
+        if self._building is engine:
+            self._building = None
+            log_warning(log, "standby_failed", error=error)
+            self._wake_in(self._standby_backoff.failed())
+
+    def _exited(self, engine: Engine, code: int) -> None:
+        if engine.state not in (EngineState.READY, EngineState.ACTIVE, EngineState.STANDBY):
+            return  # starting (its start reports it), draining or stopped (retired on purpose)
+        was_active = engine.state is EngineState.ACTIVE
+        self._fail_engine(engine)
+        log_warning(log, "engine_crashed", engine=engine.id, pid=engine.pid, code=code,
+                  active=was_active)  # fmt: skip
+        self.metrics.crashes.inc()
+        if was_active:
+            self._lost = "crash"
+        r = self._restart
+        if r is None:
+            return
+        if r.candidate is engine:  # the engine meant to take over is gone: find another
+            r.candidate, r.report.path, r.phase = None, None, Phase.PICK
+        if r.old is engine:
+            r.old = None
+            if r.phase is Phase.DRAINING_OLD:
+                r.phase = Phase.OBTAIN
+            elif r.phase is Phase.FINISH:
+                self._complete(r)
+
+    def _stopped(self, engine: Engine) -> None:
+        if engine.state is EngineState.DRAINING:
+            self._forget(engine, EngineState.STOPPED)
+        r = self._restart
+        if r is not None and r.old is engine:
+            if r.phase is Phase.DRAINING_OLD:
+                r.report.phases["drain"] = r.lap()
+                r.phase = Phase.OBTAIN
+            elif r.phase is Phase.FINISH:
+                r.report.phases["drain"] = r.lap()
+                self._complete(r)
+
+    # -- primitives: each starts a task that reports back with an event ---------------------------------------
+
+    def _launch(self, config: EngineConfig, report: RestartReport) -> Engine:
+        engine_id = next(self._ids)
+        engine = Engine(engine_id, self.run_dir / f"engine-{engine_id}.sock", self.run_dir / f"engine-{engine_id}.log",
+                        self.run_dir / f"engine-{engine_id}.beat", config)  # fmt: skip
+        self.engines[engine_id] = engine
+        self._spawn(self._start(engine, report))
+        return engine
+
+    async def _start(self, engine: Engine, report: RestartReport) -> None:
+        try:
+            await self.launcher.start(engine, report, self.limits.start_timeout)
+        except EngineStartError as exc:
+            self.post(StartFailed(engine, str(exc)))
+        else:
+            self.post(Started(engine))
+
+    async def _probe(self, engine: Engine) -> None:
+        try:
+            await self.launcher.probe(engine, min(self.limits.start_timeout, PROBE_TIMEOUT_S))
+        except Exception as exc:  # any failure of the probe refuses the standby
+            self.post(Probed(engine, f"{type(exc).__name__}: {exc}"))
+        else:
+            self.post(Probed(engine, None))
+
+    def _retire(self, engine: Engine) -> None:
+        """Take the engine out of routing now; drain and stop it once the relays have the table without it."""
+        transition(engine, EngineState.DRAINING)
+        self._publish()
+        routed = self._routed
+
+        async def retire() -> None:
+            if routed is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(routed)
+            await self.launcher.retire(engine, self.limits.drain_timeout)
+            self.post(Stopped(engine))
+
+        self._spawn(retire())
+
+    def _fail_engine(self, engine: Engine) -> None:
+        """A running engine that must go (crashed, hung, refused its probe): out of routing now, stopped."""
+        self._forget(engine, EngineState.FAILED)
+        self._spawn(self.launcher.stop(engine, grace=5))
+
+    def _forget(self, engine: Engine, final: EngineState) -> None:
+        if engine.state is not final:
+            transition(engine, final)
+        self.engines.pop(engine.id, None)
+
+    async def _watch(self, engine: Engine) -> None:
+        """Notice a crash at once (the process exits)."""
+        assert engine.process is not None
+        code = await engine.process.wait()
+        self.post(Exited(engine, code))
+
+    def _reconcile_standbys(self) -> None:
+        """Retire standbys of another config or beyond the wanted number; start one when one is missing."""
+        if self._closing or self.desired is None or self.active is None:
+            return
+        standbys = self.standbys()
+        current = [e for e in standbys if e.config == self.desired]
+        for stale in [e for e in standbys if e.config != self.desired] + current[self.limits.standby :]:
+            self._retire(stale)
+        if self._building is not None or len(current) >= self.limits.standby:
+            return
+        wait = self._standby_backoff.remaining()
+        if wait > 0:
+            self._wake_in(wait)
+            return
+        report = RestartReport(reason="standby", strategy="standby")
+        self._building = self._launch(self.desired, report)
+
+    # -- plumbing ---------------------------------------------------------------------------------------------
+
+    def _publish(self) -> None:
+        """Tell the relays, if where requests go has changed."""
+        routing = self.routing()
+        key = routing.key()
+        if key != self._routing_key:
+            self._routing_key = key
+            self._routed = asyncio.ensure_future(self.on_routing(routing))
+
+    def _spawn(self, work: Any) -> asyncio.Task[Any]:
+        task = asyncio.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _wake_in(self, seconds: float) -> None:
+        asyncio.get_running_loop().call_later(max(seconds, 0.0), self.post, Wake())

@@ -1,0 +1,287 @@
+"""The engine reconciler (app/supervisor/reconciler.py) driven with fake workers.
+
+The worker processes and the launcher are fakes (mocks where a real engine would take seconds to start on this
+machine; tests/test_gateway.py, tests/test_standby.py and tests/fault run the real ones): a fake engine starts,
+fails, crashes or stalls exactly when a test says so, which the orderings below need. Everything else is the
+real reconciler: its event loop, state machine, restart phases, standbys, backoff and routing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from app.config import RestartSettings
+from app.metrics import SupervisorMetrics
+from app.supervisor.engines import Engine, EngineStartError, EngineState, IllegalTransition, RestartReport, transition
+from app.supervisor.reconciler import Exited, Hung, Reconciler, Routing
+from engine.config import EngineConfig
+from engine.protocol import HealthResponse
+
+pytestmark = pytest.mark.anyio
+_pids = itertools.count(1000)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+class FakeProcess:
+    """A worker process that exits when told (signal, kill, or a test's crash())."""
+
+    def __init__(self) -> None:
+        self.pid = next(_pids)
+        self.returncode: int | None = None
+        self._exited = asyncio.Event()
+
+    def exit(self, code: int) -> None:
+        if self.returncode is None:
+            self.returncode = code
+            self._exited.set()
+
+    async def wait(self) -> int:
+        await self._exited.wait()
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        self.exit(-sig)
+
+    def kill(self) -> None:
+        self.exit(-signal.SIGKILL)
+
+
+class FakeLauncher:
+    """Starts engines at once (or fails, or waits for a go), records what was done, in order."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, int]] = []
+        self.fail_starts: set[int] = set()  # engine ids whose start fails
+        self.refuse_probe: set[int] = set()
+        self.hold: dict[int, asyncio.Event] = {}  # engine id -> start waits for this
+
+    async def start(self, engine: Engine, report: RestartReport, timeout: float) -> None:
+        self.log.append(("start", engine.id))
+        engine.process, engine.path = FakeProcess(), "fork"
+        if engine.id in self.hold:
+            await self.hold[engine.id].wait()
+        if engine.id in self.fail_starts:
+            engine.process.exit(1)
+            raise EngineStartError(f"engine {engine.id} exited with 1 during start-up")
+        engine.health = HealthResponse.model_validate({"status": "ok", "running": 0, "waiting": 0, "in_flight": 0,
+                                                       "weights": {"source": "ipc"}, "startup_phases": {}})  # fmt: skip
+        report.phases["init"] = 0.001
+
+    async def probe(self, engine: Engine, timeout: float) -> None:
+        self.log.append(("probe", engine.id))
+        if engine.id in self.refuse_probe:
+            raise EngineStartError("probe answered 500")
+
+    async def retire(self, engine: Engine, drain_timeout: float) -> None:
+        self.log.append(("retire", engine.id))
+        await self.stop(engine, 1)
+
+    async def stop(self, engine: Engine, grace: float) -> None:
+        if engine.process is not None:
+            engine.process.send_signal(signal.SIGTERM)
+
+    async def health(self, engine: Engine, timeout: float) -> HealthResponse | None:
+        return engine.health
+
+
+class Harness:
+    def __init__(self, tmp: Path, **limits: Any) -> None:
+        self.launcher = FakeLauncher()
+        self.routings: list[Routing] = []
+        settings = {"crash_backoff": 0.05, "crash_backoff_max": 0.2, "standby": 1, **limits}
+        self.reconciler = Reconciler(tmp, RestartSettings(**settings), self.launcher, SupervisorMetrics(),
+                                     self.on_routing)  # fmt: skip
+        self.config = EngineConfig(model=tmp / "model", max_num_seqs=4)
+
+    async def on_routing(self, routing: Routing) -> None:
+        """The relays take a moment to acknowledge a table: an engine must not be drained before they have."""
+        self.routings.append(routing)
+        active = routing.active.id if routing.active else 0
+        self.launcher.log.append(("route", active))
+        await asyncio.sleep(0.02)
+        self.launcher.log.append(("routed", active))
+
+    @property
+    def active(self) -> Engine | None:
+        return self.reconciler.active
+
+    async def until(self, condition: Any, what: str, timeout: float = 5.0) -> None:
+        async with asyncio.timeout(timeout):
+            while not condition():
+                await asyncio.sleep(0.005)
+
+    async def standby_ready(self) -> Engine:
+        await self.until(lambda: self.reconciler.standbys(), "a standby")
+        return self.reconciler.standbys()[0]
+
+
+@pytest.fixture
+async def harness(tmp_path: Path) -> AsyncIterator[Harness]:
+    h = Harness(tmp_path)
+    h.reconciler.start()
+    yield h
+    await h.reconciler.close()
+
+
+async def test_start_builds_a_standby_and_a_crash_promotes_it(harness: Harness) -> None:
+    report = await harness.reconciler.restart(harness.config, "overlap", "start")
+    assert report.ok and report.engine == 1 and report.path == "fork" and report.weight_source == "ipc"
+    standby = await harness.standby_ready()
+    assert standby.id == 2 and harness.active is not None and harness.active.id == 1
+    crashed = harness.active
+    assert crashed.process is not None
+    crashed.process.kill()
+    await harness.until(lambda: harness.active is standby, "the standby took over")
+    crash = harness.reconciler.reports[-1]
+    assert crash.reason == "crash" and crash.ok and crash.path == "standby" and crash.engine == 2
+    assert crashed.state is EngineState.FAILED and crashed.id not in harness.reconciler.engines
+    assert ("probe", 2) in harness.launcher.log  # a standby answers a real generation before it takes traffic
+    replacement = await harness.standby_ready()
+    assert replacement.id == 3
+
+
+async def test_overlap_switches_first_and_drains_the_old_engine_once_the_relays_have_the_new_table(
+    harness: Harness,
+) -> None:
+    await harness.reconciler.restart(harness.config, "overlap", "start")
+    await harness.standby_ready()
+    harness.launcher.log.clear()
+    report = await harness.reconciler.restart(None, "overlap", "admin")
+    assert report.ok and report.path == "standby" and report.engine == 2
+    log = harness.launcher.log
+    assert log.index(("routed", 2)) < log.index(("retire", 1)), log  # the relays moved before the drain began
+    assert {"probe", "switch", "drain", "total"} <= set(report.phases), report.phases
+    assert harness.active is not None and harness.active.id == 2
+
+
+async def test_replace_drains_the_old_engine_before_the_new_one_takes_over(tmp_path: Path) -> None:
+    h = Harness(tmp_path, standby=0)
+    h.reconciler.start()
+    try:
+        await h.reconciler.restart(h.config, "overlap", "start")
+        h.launcher.log.clear()
+        report = await h.reconciler.restart(None, "replace", "admin")
+        assert report.ok and report.path == "fork" and report.engine == 2
+        log = h.launcher.log
+        # No engine while the old one drains (the relays hold requests meanwhile), then the new one starts.
+        retire = log.index(("retire", 1))
+        assert log.index(("route", 0)) < log.index(("routed", 0)) < retire < log.index(("start", 2)), log
+        assert log.index(("route", 2)) > log.index(("start", 2))
+        assert "drain" in report.phases and "switch" in report.phases
+    finally:
+        await h.reconciler.close()
+
+
+async def test_a_failed_start_keeps_the_old_engine_or_brings_the_last_good_config_back(harness: Harness) -> None:
+    await harness.reconciler.restart(harness.config, "overlap", "start")
+    await harness.standby_ready()
+    bad = harness.config.model_copy(update={"max_num_seqs": 99})
+    harness.launcher.fail_starts.add(3)
+    report = await harness.reconciler.restart(bad, "overlap", "admin")
+    assert not report.ok and "exited with 1" in (report.error or "")
+    assert harness.active is not None and harness.active.id == 1  # overlap: the old engine never stopped serving
+    harness.launcher.fail_starts.add(4)
+    report = await harness.reconciler.restart(bad, "replace", "admin")
+    assert not report.ok and harness.active is None
+    # The last good config comes back by itself: the standby (built for it) is promoted.
+    await harness.until(lambda: harness.active is not None, "recovery after a failed replace")
+    recovery = harness.reconciler.reports[-1]
+    assert recovery.reason == "replace failed" and recovery.ok and recovery.path == "standby"
+    assert harness.active is not None and harness.active.config == harness.config
+
+
+async def test_a_crash_while_another_engine_starts_is_handled_at_once(harness: Harness) -> None:
+    await harness.reconciler.restart(harness.config, "overlap", "start")
+    standby = await harness.standby_ready()
+    other = harness.config.model_copy(update={"max_num_seqs": 8})  # no standby matches: an engine starts
+    harness.launcher.hold[3] = asyncio.Event()
+    restart = asyncio.create_task(harness.reconciler.restart(other, "overlap", "admin"))
+    await harness.until(lambda: ("start", 3) in harness.launcher.log, "the new engine starting")
+    old = harness.active
+    assert old is not None and old.process is not None
+    old.process.kill()  # the active engine crashes while engine 3 starts
+    await harness.until(lambda: old.state is EngineState.FAILED, "the crash noticed while a start is pending")
+    assert harness.active is None and harness.routings[-1].active is None  # the relays stop sending it requests
+    harness.launcher.hold[3].set()
+    report = await restart
+    assert report.ok and report.engine == 3 and harness.active is not None and harness.active.id == 3
+    # The standby of the old config is retired; one of the new config is built.
+    await harness.until(lambda: standby.state is EngineState.STOPPED, "the stale standby retired")
+    fresh = await harness.standby_ready()
+    assert fresh.config == other
+
+
+async def test_a_hung_engine_is_killed_and_replaced_and_a_refused_standby_is_skipped(harness: Harness) -> None:
+    await harness.reconciler.restart(harness.config, "overlap", "start")
+    standby = await harness.standby_ready()
+    harness.launcher.refuse_probe.add(standby.id)
+    hung = harness.active
+    assert hung is not None
+    harness.reconciler.post(Hung(hung, 12.0))
+    await harness.until(lambda: harness.active is not None and harness.active is not hung, "a replacement")
+    assert hung.process is not None and hung.process.returncode == -signal.SIGKILL
+    report = harness.reconciler.reports[-1]
+    assert report.reason == "crash" and report.path == "fork"  # the standby refused its probe: a new engine
+    assert standby.state is EngineState.FAILED
+
+
+async def test_requests_are_carried_out_one_after_the_other(harness: Harness) -> None:
+    await harness.reconciler.restart(harness.config, "overlap", "start")
+    await harness.standby_ready()
+    reports = await asyncio.gather(*(harness.reconciler.restart(None, s, "admin")
+                                     for s in ("overlap", "replace", "overlap")))  # fmt: skip
+    assert [r.ok for r in reports] == [True, True, True]
+    assert len({r.engine for r in reports}) == 3  # each request got an engine of its own
+    assert sum(1 for e in harness.reconciler.engines.values() if e.state is EngineState.ACTIVE) == 1
+
+
+async def test_settings_change_the_standbys_and_a_crash_loop_backs_off(harness: Harness) -> None:
+    await harness.reconciler.restart(harness.config, "overlap", "start")
+    standby = await harness.standby_ready()
+    harness.reconciler.configure(RestartSettings(standby=0, crash_backoff=0.05, crash_backoff_max=0.2))
+    await harness.until(lambda: standby.state is EngineState.STOPPED, "a standby beyond the count retired")
+    # Every start fails from now on: after a crash the reconciler tries again, later each time, and never gives up.
+    harness.launcher.fail_starts.update(range(3, 10))
+    active = harness.active
+    assert active is not None and active.process is not None
+    active.process.kill()
+    await harness.until(lambda: len([r for r in harness.reconciler.reports if r.reason == "crash"]) >= 3,
+                        "three recovery attempts")  # fmt: skip
+    assert harness.active is None
+    harness.launcher.fail_starts.clear()
+    await harness.until(lambda: harness.active is not None, "recovery once engines start again", timeout=10)
+
+
+async def test_exits_of_engines_being_retired_are_not_crashes(harness: Harness) -> None:
+    await harness.reconciler.restart(harness.config, "overlap", "start")
+    await harness.standby_ready()
+    await harness.reconciler.restart(None, "overlap", "admin")
+    assert harness.reconciler.metrics.crashes._value.get() == 0  # type: ignore[attr-defined]
+    stray = Engine(99, Path("x"), Path("y"), Path("z"), harness.config, state=EngineState.DRAINING)
+    harness.reconciler.post(Exited(stray, 0))  # an engine nobody routes to: nothing happens
+    await asyncio.sleep(0.05)
+    assert harness.active is not None
+
+
+def test_the_state_machine_refuses_what_it_does_not_have(tmp_path: Path) -> None:
+    engine = Engine(1, tmp_path / "s", tmp_path / "l", tmp_path / "b", EngineConfig(model=tmp_path))
+    for to in (EngineState.ACTIVE, EngineState.STANDBY, EngineState.DRAINING):
+        with pytest.raises(IllegalTransition):
+            transition(engine, to)  # a starting engine serves nobody before it is ready
+    transition(engine, EngineState.READY)
+    transition(engine, EngineState.STANDBY)
+    transition(engine, EngineState.ACTIVE)
+    with pytest.raises(IllegalTransition):
+        transition(engine, EngineState.STANDBY)
