@@ -56,9 +56,10 @@ async def _serve(app: FastAPI, api: EngineAPI, engine: ServingEngine, sock: sock
 
     # The socket is bound by bind_unix_socket (uvicorn's own uds binding would chmod it 0666). Requests get
     # their grace period from the drain; whatever outlives it is cut after a second, not waited for forever.
-    config = uvicorn.Config(
-        app, log_config=None, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=1
-    )
+    # Relays keep their connections to an engine open between requests (app/relay/upstream.py closes its idle
+    # ones after 20 s): uvicorn's default of 5 s would close them under the relays' feet.
+    config = uvicorn.Config(app, log_config=None, log_level="warning", access_log=False, lifespan="off",
+                            timeout_graceful_shutdown=1, timeout_keep_alive=60)  # fmt: skip
     server = _server_class()(config)
     loop = asyncio.get_running_loop()
     tasks: set[asyncio.Task[None]] = set()

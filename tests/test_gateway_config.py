@@ -18,8 +18,8 @@ def test_environment_overrides_the_file(tmp_path: Path, monkeypatch: pytest.Monk
     assert settings.engine.max_num_seqs == 32 and settings.restart.strategy == "replace"
     assert settings.gateway.port == 9000 and settings.model == Path("/models/a")
     engine = settings.engine_config(Path("/models/a"), Path("/run/cache.sock"), {"max_num_seqs": 2})
-    assert engine["max_num_seqs"] == 2 and engine["cache_socket"] == "/run/cache.sock"
-    assert engine["weights"] == "ipc-or-disk"
+    assert engine.max_num_seqs == 2 and engine.cache_socket == Path("/run/cache.sock")
+    assert engine.weights == "ipc-or-disk"
 
 
 def test_the_command_line_overrides_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
