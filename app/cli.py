@@ -189,15 +189,27 @@ def _admin(args: argparse.Namespace) -> None:
         raise RestartFailed(f"the {args.admin_command} failed: {document.get('error')}")
 
 
+def _not_the_gateways_metrics() -> None:
+    """The run dir's metrics folder is the gateway's (app/metrics.py): the cache process, the fork server and engines
+    inherit its variable but must not write there (vLLM would add its own metrics to the gateway's sums)."""
+    import os
+
+    from app.metrics import ENV
+
+    os.environ.pop(ENV, None)
+
+
 def _cache(args: argparse.Namespace) -> None:
     from cache.server import main as run_cache
 
+    _not_the_gateways_metrics()
     run_cache(args.model, args.socket, device=args.device, dtype=args.dtype, backend=args.backend)
 
 
 def _engine(args: argparse.Namespace) -> None:
     from engine.worker import main as run_worker
 
+    _not_the_gateways_metrics()
     run_worker(args.socket, args.config, drain_timeout=args.drain_timeout, heartbeat_path=args.heartbeat)
 
 
@@ -210,6 +222,7 @@ def _relay(args: argparse.Namespace) -> None:
 def _fork_server(args: argparse.Namespace) -> None:
     from engine.fork_server import serve
 
+    _not_the_gateways_metrics()
     serve(args.socket, child_main=main, backend=args.backend)  # a forked worker runs `warmgate engine ...`
 
 

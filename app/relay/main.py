@@ -41,7 +41,7 @@ async def _serve(control: Path, listen_fd: int, index: int, drain_timeout: float
     from app.control import Table
     from app.metrics import RelayMetrics
     from app.relay.admission import Admission
-    from app.relay.app import create_app
+    from app.relay.app import RelayApp
     from app.relay.link import SupervisorLink
     from app.relay.relay import Relay
     from app.relay.table import TableView
@@ -58,7 +58,7 @@ async def _serve(control: Path, listen_fd: int, index: int, drain_timeout: float
     link = SupervisorLink(control, index, on_table)
     await link.connect()
     relay = Relay(table, admission, pool, metrics, link.report_failure)
-    app = create_app(table, relay, link)
+    app = RelayApp(table, relay, link)
     listener = socket.socket(fileno=listen_fd)
     listener.setblocking(False)
     config = uvicorn.Config(app, http="httptools", log_config=None, log_level="warning", access_log=False,

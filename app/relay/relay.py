@@ -87,9 +87,9 @@ class ResponseSink:
         await self._send({"type": "http.response.start", "status": status, "headers": head})
         await self._send({"type": "http.response.body", "body": body})
 
-    async def error(self, status: int, message: str, kind: str, code: str | None = None,
+    async def error(self, status: int, message: str, kind: str, code: str | None = None, param: str | None = None,
                     headers: Iterable[tuple[bytes, bytes]] = ()) -> None:  # fmt: skip
-        body = ErrorResponse(error=ErrorInfo(message=message, type=kind, code=code)).model_dump_json()
+        body = ErrorResponse(error=ErrorInfo(message=message, type=kind, code=code, param=param)).model_dump_json()
         await self.respond(status, body.encode(), [*_JSON, *headers])
 
     async def begin_stream(self) -> None:
