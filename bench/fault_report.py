@@ -29,8 +29,9 @@ fault is injected, recovery awaited, and then six more seconds of load measured.
 * **requests**: requests in flight at some moment between the injection and recovery + 1 s.
 * **failed**: of those, the ones that did not get a whole, correct answer (an error status, a stream cut
   or ended with an error event, a short answer); **in flight**: failed ones that had started before the
-  fault; **refused**: failed ones that found no gateway listening (the supervisor fault only).
-* **recovery**: injection to the moment the supervisor reports the system whole again (see each row).
+  fault; **refused**: failed ones that found no gateway listening.
+* **recovery**: injection to the moment the supervisor reports the system whole again (see each row; for the
+  supervisor's SIGSTOP it is the length of the stop).
 * **TTFT**: median time to first token of the streams that started in the 15 s before the injection,
   and in the {after} s after recovery.
 
@@ -42,6 +43,8 @@ RECOVERED_WHEN = {
     "kill -9 of the active engine": "the standby was promoted (crash report)",
     "kill -9 of a draining engine": "the killed engine left the engine list (the restart had switched)",
     "SIGSTOP of the active engine": "the hung engine was killed and the standby promoted",
+    "SIGSTOP of the supervisor for 15 s": "SIGCONT (the column is the stop's length; nothing needed recovering)",
+    "kill -9 of a relay": "a new relay process served under the same index",
     "an engine that cannot start (KV cache too large)": "the admin restart answered (failed; old engine serving)",
     "a reload during a restart, and two restarts at once": "all three admin calls answered, each ok",
     "kill -9 of the cache process": "a new cache process served and the engines had moved to it",
@@ -83,12 +86,16 @@ def _cell(value: float | None) -> str:
 
 FOOTER = """
 What the suite asserts besides the table: a kill -9 of the active engine and a SIGSTOP are answered by
-promoting the standby (the hung one only after `health_timeout`, and its log says `engine_hung`); the
+promoting the standby (the hung one only after `health_timeout`, and its log says `engine_hung`); while the
+supervisor is stopped (longer than `health_timeout`) requests start and finish on the relays and engines,
+and once it runs again it kills no engine (same pids, no `engine_hung`, no crash restart); a relay killed
+with kill -9 loses only the requests in flight on its connections, is replaced under its index, and 20
+fresh requests all succeed; the
 failed start (HTTP 422 with its report) names the allocation that failed and leaves the active engine in
 place; after the cache process is killed `/ready` answers 200 throughout (polled every 0.2 s), the new
 cache has the same key, the dead cache's socket is gone from the run dir, the engines that replace the old
 ones attach it (`weight_source = ipc`) and both hold leases on it; after the supervisor is killed its
-engines and fork server stop by themselves, its cache process stays, the next `warmgate serve` on the run
+relays, engines and fork server stop by themselves, its cache process stays, the next `warmgate serve` on the run
 dir adopts it (same pid, the cache log shows no second load) and its engine attaches from it.
 
 What is not covered: a machine reboot (the cache lives in memory, and a reboot loses it), running out of

@@ -5,12 +5,19 @@ injects one fault, waits for recovery, and records what happened: requests in fl
 how many failed, the recovery time, the median TTFT of streams before and after, and what was lost.
 The tests run in file order and share the gateway (the last one kills it and starts another).
 
+The gateway is a supervisor (the `warmgate serve` process: cache, fork server, engines, liveness, admin API) and
+relay processes (the data plane: they accept the clients' connections and relay requests to engines);
+``/admin/status`` names them (``supervisor.pid``, ``relays[].pid``). The load (load.py) counts a request as
+served only if its answer is whole: a stream needs its usage (max_tokens tokens) and ``data: [DONE]``.
+
 Records go to the JSON-lines file named by ``WARMGATE_FAULT_REPORT`` (bench/fault_report.py sets it and
 writes docs/reliability.md from it); without it they are only checked.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import json
 import os
 import signal
@@ -24,11 +31,17 @@ from typing import Any
 
 import httpx
 import pytest
-from load import Load
+from load import Load, fresh, summary
 from processes import REPO, Gateway, start_gateway, wait_for, wait_until_ready
+
+from common.processes import pid_alive
 
 HEALTH_TIMEOUT = 4.0
 AFTER = 6.0  # seconds of load after recovery whose TTFT is the "after" figure
+SUPERVISOR_STOP = 15.0  # seconds the supervisor is stopped: well past HEALTH_TIMEOUT
+LIVENESS_AFTER_CONT = 3.0  # seconds the supervisor runs after SIGCONT before the engines are checked
+RELAY_RESTART = 15.0  # seconds within which a killed relay must be replaced
+FRESH_REQUESTS = 20  # requests on new connections after a relay was replaced
 
 
 def _config(model: Path, max_num_seqs: int = 4) -> str:
@@ -51,29 +64,32 @@ class Suite:
                lost: str = "nothing", **details: Any) -> dict[str, Any]:  # fmt: skip
         """Measure the fault's window (injection to recovery + 1 s) once AFTER seconds of load followed it.
 
-        ``failed`` counts the requests in flight at the injection or sent during the window that failed;
-        ``refused`` those of them that never reached a gateway (nothing listened on its port)."""
-        self.load.wait_for_more(4, after=recovered + AFTER, timeout=60)
+        ``failed`` counts the requests in flight at the injection or sent during the window that failed (load.py
+        says what a whole answer is); ``refused`` those of them that never reached a gateway (nothing listened
+        on its port); ``failure_kinds`` how many failed of each kind (load.KINDS). Fails first if the load is
+        broken (a client thread died or hung: ``Load.check``)."""
+        self.load.check()
+        self.load.wait_for_more(4, after=recovered + AFTER, timeout=60)  # fails if they do not come
         during = self.load.during(injected, recovered + 1.0)
-        failed = [o.error for o in during if o.error]
-        refused = [e for e in failed if e.startswith("ConnectError")]
+        failed = [o for o in during if not o.ok]
         row = {
             "fault": fault,
             "requests": len(during),
             "failed": len(failed),
-            "refused": len(refused),
-            "in_flight_failed": sum(1 for o in during if o.error and o.start < injected),
+            "refused": sum(1 for o in failed if o.refused),
+            "in_flight_failed": sum(1 for o in failed if o.start < injected),
             "recovery_s": round(recovered - injected, 3),
             "ttft_before_s": _round(self.load.ttft_p50(injected - 15, injected)),
             "ttft_after_s": _round(self.load.ttft_p50(recovered, recovered + AFTER)),
             "lost": lost,
+            "failure_kinds": dict(collections.Counter(str(o.kind) for o in failed)),
             **details,
         }
         if self.report:
             with open(self.report, "a") as out:
                 out.write(json.dumps(row) + "\n")
         if not expect_failures:
-            assert not failed, (row, failed[:3])
+            assert not failed, (row, summary(failed))
         return row
 
     def restarts(self, reason: str) -> list[dict[str, Any]]:
@@ -94,9 +110,38 @@ def suite(demo_path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Suite
         _standby_ready(s)
         yield s
     finally:
-        s.load.stop()
-        if s.gateway.proc.poll() is None:
-            s.gateway.stop()
+        try:
+            s.load.stop()  # fails if a client thread died or hung
+        finally:
+            if s.gateway.proc.poll() is None:
+                s.gateway.stop()
+
+
+def _engine_pids(status: dict[str, Any]) -> list[int]:
+    return sorted(e["pid"] for e in status["engines"])
+
+
+def _connections(pid: int, port: int) -> int:
+    """How many established TCP connections to ``port`` (the gateway's: clients') process ``pid`` holds."""
+    inodes = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):  # closed meanwhile
+                if (link := os.readlink(f"/proc/{pid}/fd/{fd}")).startswith("socket:["):
+                    inodes.add(link[len("socket:[") : -1])
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()  # sl, local address:port, remote, state (01: established), ..., inode (10th)
+            if fields[3] == "01" and int(fields[1].rsplit(":", 1)[1], 16) == port and fields[9] in inodes:
+                count += 1
+    return count
+
+
+def _log_since(path: Path, offset: int) -> str:
+    with path.open("rb") as log:
+        log.seek(offset)
+        return log.read().decode(errors="replace")
 
 
 def _standby_ready(s: Suite) -> int:
@@ -153,6 +198,89 @@ def test_a_stopped_engine_is_replaced_within_the_health_timeout(suite: Suite) ->
     finally:
         if Path(f"/proc/{hung}").exists():
             os.kill(hung, signal.SIGKILL)
+
+
+def test_a_stopped_supervisor_stalls_no_request_and_kills_no_engine(suite: Suite) -> None:
+    """Relays and engines serve without the supervisor, and an engine's liveness is read from the heartbeats it
+    stamps: a supervisor stopped for longer than health_timeout stalls no request, and once it runs again it
+    finds fresh heartbeats and kills no engine."""
+    _standby_ready(suite)
+    status = suite.gateway.status()
+    supervisor = status["supervisor"]["pid"]
+    assert supervisor == suite.gateway.proc.pid, status["supervisor"]
+    engines = _engine_pids(status)
+    crashes = len(suite.restarts("crash"))
+    log_from = suite.gateway.log_path.stat().st_size
+    injected = time.monotonic()
+    os.kill(supervisor, signal.SIGSTOP)
+    try:
+        time.sleep(SUPERVISOR_STOP)
+    finally:
+        os.kill(supervisor, signal.SIGCONT)
+    resumed = time.monotonic()
+    time.sleep(LIVENESS_AFTER_CONT)  # its liveness checks run now: they must find every engine alive
+    hung = [line for line in _log_since(suite.gateway.log_path, log_from).splitlines() if "event=engine_hung" in line]
+    assert not hung, hung
+    status = suite.gateway.status()
+    assert _engine_pids(status) == engines, (engines, status["engines"])
+    assert len(suite.restarts("crash")) == crashes, suite.restarts("crash")[crashes:]
+    stopped = suite.load.during(injected, resumed)
+    served = [o for o in suite.load.within(injected, resumed) if o.ok]
+    assert served, f"nothing was served while the supervisor was stopped: {summary(stopped)}"
+    assert not [o for o in stopped if not o.ok], summary(stopped)
+    held = [o for o in stopped if o.start <= injected and o.end >= resumed]  # in flight through the whole stop
+    assert not held, f"{len(held)} requests were held until SIGCONT: {held[:3]}"
+    assert {o.client for o in served} == set(range(suite.load.clients)), \
+        f"a client got nothing while the supervisor was stopped: {summary(stopped)}"  # fmt: skip
+    suite.record(f"SIGSTOP of the supervisor for {SUPERVISOR_STOP:.0f} s", injected, resumed,
+                 lost="nothing: relays and engines served on; no engine was killed after SIGCONT",
+                 served_while_stopped=len(served))  # fmt: skip
+
+
+def test_kill_9_of_a_relay_loses_only_its_own_connections(suite: Suite) -> None:
+    """A relay holds only the connections it accepted: a kill -9 loses the requests in flight on them, the
+    supervisor starts another relay, and new connections are served by the others meanwhile (they all accept
+    on the one listening socket)."""
+    _standby_ready(suite)
+    status = suite.gateway.status()
+    relays = {r["index"]: r for r in status["relays"]}
+    assert relays, status
+    supervisor, engines = status["supervisor"]["pid"], _engine_pids(status)
+    crashes = len(suite.restarts("crash"))
+    port = int(suite.gateway.url.rsplit(":", 1)[1])
+    held = {index: _connections(relay["pid"], port) for index, relay in relays.items()}
+    victim = relays[max(held, key=lambda index: held[index])]  # the one that holds the most clients' connections
+    assert held[victim["index"]] >= 1, ("no relay holds a client's connection", held)
+    injected = time.monotonic()
+    os.kill(victim["pid"], signal.SIGKILL)
+
+    def restarted() -> dict[int, dict[str, Any]] | None:
+        now = {r["index"]: r for r in suite.gateway.status()["relays"]}
+        new = now.get(victim["index"])
+        replaced = new is not None and new["pid"] != victim["pid"] and pid_alive(new["pid"])
+        gone = all(r["pid"] != victim["pid"] for r in now.values())
+        return now if replaced and gone and now.keys() == relays.keys() else None
+
+    now = wait_for(restarted, RELAY_RESTART, "the killed relay was not replaced by a new one")
+    recovered = time.monotonic()
+    assert "generation" in now[victim["index"]], now[victim["index"]]
+    for index, relay in relays.items():
+        if index != victim["index"]:
+            assert now[index]["pid"] == relay["pid"], ("another relay was restarted", relays, now)
+    answers = [fresh(suite.gateway.url, stream=i % 2 == 0) for i in range(FRESH_REQUESTS)]  # new connections
+    assert all(o.ok for o in answers), summary(answers)
+    status = suite.gateway.status()
+    assert status["supervisor"]["pid"] == supervisor
+    assert _engine_pids(status) == engines, (engines, status["engines"])
+    assert len(suite.restarts("crash")) == crashes, suite.restarts("crash")[crashes:]
+    row = suite.record("kill -9 of a relay", injected, recovered, expect_failures=True,
+                       lost="the requests in flight on its connections; new connections were served by the others",
+                       victim_connections=held[victim["index"]], fresh_ok=len(answers))  # fmt: skip
+    late = [o for o in list(suite.load.outcomes) if o.start >= injected and not o.ok]  # up to now, not the window's
+    assert not late, f"requests that began after the kill failed: {summary(late)}"
+    assert row["failed"] == row["in_flight_failed"] <= held[victim["index"]], row  # one request a connection
+    failed = [o for o in suite.load.during(injected, recovered + 1.0) if not o.ok]
+    assert all(o.kind == "transport" for o in failed), f"not only cut connections: {summary(failed)}"
 
 
 def test_an_engine_that_cannot_start_leaves_the_old_one_serving(suite: Suite) -> None:
@@ -234,12 +362,14 @@ def test_kill_9_of_the_supervisor_keeps_the_model_resident(suite: Suite) -> None
     old = suite.gateway
     cache = old.status()["cache"]
     engines = [e["pid"] for e in old.status()["engines"]]
+    relays = [r["pid"] for r in old.status().get("relays", [])]  # the split gateway's data plane
     loads = _cache_loads(suite.root)
     injected = time.monotonic()
     old.proc.kill()
     old.proc.wait()
-    # Its engines and fork server stop by themselves; its cache process stays, with the weights.
-    wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in engines), 60, "engines outlived the gateway")
+    # Its engines, relays and fork server stop by themselves; its cache process stays, with the weights.
+    wait_for(lambda: not any(pid_alive(pid) for pid in engines), 60, "engines outlived the gateway")
+    wait_for(lambda: not any(pid_alive(pid) for pid in relays), 60, "relays outlived the supervisor")
     assert Path(f"/proc/{cache['pid']}").exists()
     port = int(old.url.rsplit(":", 1)[1])
     cmd = [sys.executable, "-m", "app.cli", "serve", "--config", str(old.config), "--port", str(port),
