@@ -2,6 +2,8 @@
 # GPU runs for the serving engine, on the device machine (torch + Triton there; the rest travels as wheels in .whl/,
 # the demo tokenizer for the synthetic checkpoint in .gputok/: see docs/benchmarks.md).
 #   bash bench/gpu_serving.sh setup probe tests graphs profile engine restarts serve     # any subset, in this order
+# The serving acceptance (setup + serve fit one 10-minute device call: ~10 s wheels, ~25 s synth, serve <= 480 s):
+#   bash bench/gpu_serving.sh setup serve        # carry .whl and .gputok; SERVE_ARGS / SERVE_TIMEOUT override
 # Results go to a folder under /tmp/gpuout, packed at the end into $OUT/results.tgz (markdown copied beside it).
 # The synthetic llama3-8b fp8-block checkpoint stays in /tmp/wg while the machine is warm.
 set -uo pipefail
@@ -40,8 +42,15 @@ demo._write_marker(t, 'fp8-block', seconds=0.0)"
     restarts) timeout ${RESTARTS_TIMEOUT:-420} python3 bench/restart_paths.py --model $MODEL --device cuda --clients 32 \
               --out $RUN/restarts 2>&1 | tail -30
             cp $RUN/restarts/restart_paths.md $OUT/ 2>/dev/null ;;
-    serve)  timeout ${SERVE_TIMEOUT:-480} python3 bench/serve_load.py --model $MODEL --device cuda --max-num-seqs 128 \
-              --kv-cache-bytes 20000000000 --out $RUN/serve ${SERVE_ARGS:-} 2>&1 | tail -40 ;;
+    serve)  # The acceptance sweep: 64-1024 streams through the gateway (8 client processes), 64 straight to the
+            # engine's socket, default [restart]. About 4-5 min on the H200 (ready ~1 min, the 1024 level ~1 min); no
+            # request, level or restart probe starts after --deadline-s, and a TERM from timeout still writes results.
+            ST=${SERVE_TIMEOUT:-480}
+            SWEEP="--concurrency 64,128,256,512,1024 --requests-per-client 4,4,2,2,2 --direct-concurrency 64"
+            timeout -k 30 $ST python3 bench/serve_load.py --model $MODEL --device cuda --max-num-seqs 128 \
+              --kv-cache-bytes 20000000000 --out $RUN/serve --deadline-s $((ST - 60)) \
+              ${SERVE_ARGS:-$SWEEP --restart-probe 10} 2>&1 | tail -60
+            cp $RUN/serve/serve_load.json $OUT/ 2>/dev/null ;;
   esac
 done
 cp $RUN/serve/serve_load.md $OUT/ 2>/dev/null
