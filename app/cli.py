@@ -98,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     relay.add_argument("--control", type=Path, required=True, help="the supervisor's control socket")
     relay.add_argument("--listen-fd", type=int, required=True, help="the inherited listening socket's descriptor")
     relay.add_argument("--index", type=int, required=True, help="this relay's number (0 .. workers-1)")
+    relay.add_argument("--board", type=Path, required=True, help="the admission board the relays share")
     relay.add_argument("--drain-timeout", type=float, default=30.0, help="seconds requests get to finish on SIGTERM")
     relay.set_defaults(run=_relay)
 
@@ -216,7 +217,7 @@ def _engine(args: argparse.Namespace) -> None:
 def _relay(args: argparse.Namespace) -> None:
     from app.relay.main import main as run_relay
 
-    run_relay(args.control, args.listen_fd, args.index, args.drain_timeout)
+    run_relay(args.control, args.listen_fd, args.index, args.board, args.drain_timeout)
 
 
 def _fork_server(args: argparse.Namespace) -> None:

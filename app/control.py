@@ -26,8 +26,8 @@ class _Message(BaseModel):
 
 
 class EngineRoute(_Message):
-    """Where a relay sends requests for one engine, and how many the relays may have there at once (its
-    max_num_seqs plus the backlog: they split it evenly)."""
+    """Where a relay sends requests for one engine, and how many the relays may have there at once, together (its
+    max_num_seqs plus the backlog; app/relay/board.py counts them)."""
 
     id: int
     socket: str
@@ -43,7 +43,6 @@ class RelaySettings(_Message):
     queue_timeout: float  # seconds a request waits for an engine slot before 503
     max_queue: int  # requests waiting in one relay before 503
     request_resumes: int  # moves of one request to another engine after its failed
-    relays: int  # how many relays share an engine's capacity
 
 
 class Table(_Message):

@@ -399,15 +399,29 @@ def _ppid(pid: int) -> int:
 
 
 def _fork_server_pid(gateway: Gateway) -> int | None:
+    """The gateway's fork server: its child with the fork-server command line (forked engines carry that command
+    line too, but their parent is the fork server)."""
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-                if b"fork-server" in cmdline and str(gateway.run_dir).encode() in b" ".join(cmdline):
+                if b"fork-server" in cmdline and _ppid(int(entry.name)) == gateway.proc.pid:
                     return int(entry.name)
             except OSError:
                 continue
     return None
+
+
+def _listening(path: Path) -> bool:
+    """Something accepts connections on the Unix socket (a killed server's socket file does not)."""
+    import socket
+
+    with socket.socket(socket.AF_UNIX) as probe:
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return False
+    return True
 
 
 def test_a_reload_rotates_api_keys_without_a_restart(gateway: Gateway) -> None:
@@ -445,7 +459,7 @@ def test_engines_are_forked_from_the_fork_server_and_spawned_while_it_is_gone(ga
     assert report["ok"] and report["path"] == "spawn", report  # no fork server: the gateway spawns
     assert _ppid(gateway.active_pid()) == gateway.proc.pid
     deadline = time.monotonic() + 120
-    while (_fork_server_pid(gateway) in (None, forks)) or not (gateway.run_dir / "fork.sock").exists():
+    while (_fork_server_pid(gateway) in (None, forks)) or not _listening(gateway.run_dir / "fork.sock"):
         assert time.monotonic() < deadline, "the fork server was not started again"
         time.sleep(0.2)
     report = fresh_restart(256)

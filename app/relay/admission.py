@@ -1,28 +1,31 @@
-"""Admission control: how many requests a relay has at the active engine, and the bounded queue of the rest.
+"""Admission control: how many requests the relays have at the active engine, and the bounded queue of the rest.
 
 An engine can run ``max_num_seqs`` sequences; requests beyond a small backlog would only wait inside it,
 each holding a connection and a place in its scheduler's queue. So the relays forward at most
-``max_num_seqs + engine_backlog`` requests to an engine (its route's ``capacity``), split evenly between
-them (each relay keeps its own count: no state is shared between relays), and the rest wait here, first
-come first served, at most ``max_queue`` per relay and ``queue_timeout`` seconds each, then get 503 with
-Retry-After. Waiting here
+``max_num_seqs + engine_backlog`` requests to an engine (its route's ``capacity``), counted together on the
+admission board (app/relay/board.py), and the rest wait here, first come first served, at most
+``max_queue`` per relay and ``queue_timeout`` seconds each, then get 503 with Retry-After. Waiting here
 costs a future per request; the same request in the engine would cost a connection, a task and a socket
 wake-up per step. Requests also wait here while no engine is active (a ``replace`` restart).
+
+A slot freed in this relay goes to its first waiter at once; one freed in another relay is seen at the
+next look at the board, every POLL_S while requests wait here.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections import deque
 from dataclasses import dataclass
 
 from app.control import EngineRoute
 from app.metrics import RelayMetrics
+from app.relay.board import AdmissionBoard
 from app.relay.table import TableView
 
 RETRY_AFTER_S = 1  # what a refused client is told to wait before trying again
+POLL_S = 0.002  # how often a relay with waiting requests looks at the board for slots freed elsewhere
 
 
 @dataclass(frozen=True)
@@ -38,15 +41,13 @@ class Refusal:
 
 
 class Admission:
-    def __init__(self, table: TableView, metrics: RelayMetrics) -> None:
+    def __init__(self, table: TableView, board: AdmissionBoard, metrics: RelayMetrics) -> None:
         self.table = table
+        self.board = board
         self.metrics = metrics
         self.in_use: dict[int, int] = {}  # engine id -> requests this relay has there
         self._waiting: deque[asyncio.Future[Slot]] = deque()
-
-    def capacity(self, engine: EngineRoute) -> int:
-        """This relay's share of what the engine may hold."""
-        return max(1, math.ceil(engine.capacity / self.table.settings.relays))
+        self._polling: asyncio.TimerHandle | None = None
 
     @property
     def waiting(self) -> int:
@@ -61,6 +62,7 @@ class Admission:
             return Refusal(f"{len(self._waiting)} requests are already waiting for an engine here (max_queue)")
         future: asyncio.Future[Slot] = asyncio.get_running_loop().create_future()
         self._waiting.append(future)
+        self.kick()  # starts looking at the board for slots other relays free
         self.metrics.queued.inc()
         started = time.monotonic()
         try:
@@ -81,15 +83,19 @@ class Admission:
         return future.result()
 
     def release(self, slot: Slot) -> None:
-        left = self.in_use[slot.engine.id] - 1
+        engine = slot.engine.id
+        left = self.in_use[engine] - 1
         if left:
-            self.in_use[slot.engine.id] = left
+            self.in_use[engine] = left
         else:
-            del self.in_use[slot.engine.id]
+            del self.in_use[engine]
+        self._post()
         self.kick()
 
     def kick(self) -> None:
-        """Hand free slots to the requests waiting longest (a slot was released, or the table changed)."""
+        """Hand free slots to the requests waiting longest (a slot was freed, the table changed, or the board was
+        looked at again); while some still wait, look at the board again in POLL_S."""
+        self._post()  # the active engine may have changed
         while self._waiting:
             head = self._waiting[0]
             if head.done():  # its request gave up
@@ -97,16 +103,26 @@ class Admission:
                 continue
             slot = self._take()
             if slot is None:
+                if self._polling is None:
+                    self._polling = asyncio.get_running_loop().call_later(POLL_S, self._look_again)
                 return
             self._waiting.popleft()
             head.set_result(slot)
 
+    def _look_again(self) -> None:
+        self._polling = None
+        self.kick()
+
     def _take(self) -> Slot | None:
         engine = self.table.active
-        if engine is None:
+        if engine is None or self.board.total(engine.id) >= engine.capacity:
             return None
-        used = self.in_use.get(engine.id, 0)
-        if used >= self.capacity(engine):
-            return None
-        self.in_use[engine.id] = used + 1
+        self.in_use[engine.id] = self.in_use.get(engine.id, 0) + 1
+        self._post()
         return Slot(engine)
+
+    def _post(self) -> None:
+        """This relay's count at the active engine, on the board."""
+        engine = self.table.active
+        if engine is not None:
+            self.board.post(engine.id, self.in_use.get(engine.id, 0))

@@ -1,7 +1,8 @@
 """A relay worker process (data plane): serves the OpenAI API on the gateway's listening socket, which every relay
 shares (opened once by the supervisor and inherited, as nginx's workers share theirs), on uvloop and httptools.
 
-    warmgate relay --control RUN_DIR/control.sock --listen-fd N --index I     (started by `warmgate serve`)
+    warmgate relay --control RUN_DIR/control.sock --listen-fd N --index I --board RUN_DIR/admission.board
+                                                                                (started by `warmgate serve`)
 
 It takes its engine table and settings from the supervisor (app/relay/link.py) before it accepts anything.
 SIGTERM (or the supervisor's end) stops accepting; requests in flight get up to ``drain_timeout`` seconds.
@@ -26,29 +27,31 @@ from common.events import configure_logging, log_event
 log = logging.getLogger("warmgate.relay")
 
 
-def main(control: Path, listen_fd: int, index: int, drain_timeout: float) -> int:
+def main(control: Path, listen_fd: int, index: int, board: Path, drain_timeout: float) -> int:
     started = time.perf_counter()
     configure_logging()
     import uvloop
 
-    uvloop.run(_serve(control, listen_fd, index, drain_timeout, started))
+    uvloop.run(_serve(control, listen_fd, index, board, drain_timeout, started))
     return 0
 
 
-async def _serve(control: Path, listen_fd: int, index: int, drain_timeout: float, started: float) -> None:
+async def _serve(control: Path, listen_fd: int, index: int, board: Path, drain_timeout: float,
+                 started: float) -> None:  # fmt: skip
     import uvicorn
 
     from app.control import Table
     from app.metrics import RelayMetrics
     from app.relay.admission import Admission
     from app.relay.app import RelayApp
+    from app.relay.board import AdmissionBoard
     from app.relay.link import SupervisorLink
     from app.relay.relay import Relay
     from app.relay.table import TableView
     from app.relay.upstream import EnginePool
 
     table, pool, metrics = TableView(), EnginePool(), RelayMetrics()
-    admission = Admission(table, metrics)
+    admission = Admission(table, AdmissionBoard(board, index), metrics)
 
     def on_table(new: Table) -> None:
         table.apply(new)

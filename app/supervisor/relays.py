@@ -33,6 +33,7 @@ from app.control import (
     to_supervisor,
 )
 from app.metrics import SupervisorMetrics, forget_process
+from app.relay.board import AdmissionBoard
 from app.supervisor.terminate import terminate
 from common.backoff import Backoff
 from common.events import log_warning
@@ -81,6 +82,7 @@ class Relays:
                  metrics: SupervisorMetrics, admin: AdminHandler,
                  on_failure: Callable[[int, str], None]) -> None:  # fmt: skip
         self.control_path = run_dir / "control.sock"
+        self.board_path = run_dir / "admission.board"
         self.count = count
         self.listener = listener
         self.drain_timeout = drain_timeout
@@ -98,6 +100,7 @@ class Relays:
     async def start(self, table: Table) -> None:
         """Serve the control channel, start every relay, and return once each has the table."""
         self.table = table
+        AdmissionBoard.create(self.board_path, self.count)
         control = bind_unix_socket(self.control_path)
         self._server = await asyncio.start_unix_server(self._serve, sock=control)
         for index in range(self.count):
@@ -130,6 +133,7 @@ class Relays:
         if self._server is not None:
             self._server.close()
         self.control_path.unlink(missing_ok=True)
+        self.board_path.unlink(missing_ok=True)
         self.listener.close()
 
     # -- relay processes ----------------------------------------------------------------------------------
@@ -138,7 +142,8 @@ class Relays:
         fd = self.listener.fileno()
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "app.cli", "relay", "--control", str(self.control_path), "--listen-fd", str(fd),
-            "--index", str(index), "--drain-timeout", str(self.drain_timeout), pass_fds=(fd,),
+            "--index", str(index), "--board", str(self.board_path), "--drain-timeout", str(self.drain_timeout),
+            pass_fds=(fd,),
         )  # fmt: skip
         relay = RelayProcess(index, process)
         self.relays[index] = relay
@@ -147,6 +152,8 @@ class Relays:
     async def _watch(self, relay: RelayProcess) -> None:
         code = await relay.process.wait()
         forget_process(relay.pid)
+        with contextlib.suppress(OSError):  # its requests went with it: free their places at the engine
+            AdmissionBoard.clear(self.board_path, relay.index)
         if self._stopping or self.relays.get(relay.index) is not relay:
             return
         log_warning(log, "relay_exited", relay=relay.index, pid=relay.pid, code=code)

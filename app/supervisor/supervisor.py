@@ -68,7 +68,7 @@ class Supervisor:
         r, g = self.settings.restart, self.settings.gateway
         settings = RelaySettings(api_keys=g.api_keys, admin_token=self.admin_token, max_body_bytes=g.max_body_bytes,
                                  queue_timeout=r.queue_timeout, max_queue=r.max_queue,
-                                 request_resumes=r.request_resumes, relays=g.relay_count())  # fmt: skip
+                                 request_resumes=r.request_resumes)  # fmt: skip
         routing = self._routing
         return Table(generation=self._generation, active=self._route(routing.active),
                      standbys=[self._route(e) for e in routing.standbys],
