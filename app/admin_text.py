@@ -16,8 +16,9 @@ MISSING = "-"
 
 
 def status_text(status: dict[str, Any]) -> str:
-    """The model, the cache, a table of engines and the last restarts with their phases."""
-    lines = [f"model    {status.get('model', MISSING)}", f"cache    {_cache_line(status.get('cache', {}))}", ""]
+    """The model, the cache, the gateway's processes, a table of engines and the last restarts with their phases."""
+    lines = [f"model    {status.get('model', MISSING)}", f"cache    {_cache_line(status.get('cache', {}))}",
+             f"gateway  {_gateway_line(status)}", ""]
     engines = status.get("engines", [])
     if engines:
         rows = [[e.get("id"), e.get("state"), e.get("pid"), e.get("weight_source") or MISSING,
@@ -65,6 +66,14 @@ def reload_text(report: dict[str, Any]) -> str:
         "cache": "the cached weights' backend, device or dtype changed: a new cache process, then the engines swapped",
     }.get(changed, "engine settings changed: the engines rolled over on the cached weights")
     return f"config re-read: {what}\n{restart_text(report)}"
+
+
+def _gateway_line(status: dict[str, Any]) -> str:
+    """The supervisor's pid and the relays' (a relay not connected to the supervisor is marked)."""
+    relays = status.get("relays", [])
+    pids = ", ".join(f"{r.get('pid')}" + ("" if r.get("connected", True) else " (not connected)") for r in relays)
+    supervisor = (status.get("supervisor") or {}).get("pid", MISSING)
+    return f"supervisor pid {supervisor}  {len(relays)} relays" + (f" (pids {pids})" if relays else "")
 
 
 def _cache_line(cache: dict[str, Any]) -> str:

@@ -39,6 +39,10 @@ def test_a_status_whose_cache_does_not_answer_still_prints_the_engines() -> None
     row = next(line for line in text.splitlines() if line.startswith("1 "))
     assert row.split() == ["1", "active", "42", "disk", "1h02m", "3.0", "GiB", "-"]
     assert "restarts" not in text
+    assert "gateway  supervisor pid -  0 relays" in text  # a document without them (an older gateway's)
+    status["supervisor"] = {"pid": 7}
+    status["relays"] = [{"index": 0, "pid": 8, "connected": True}, {"index": 1, "pid": 9, "connected": False}]
+    assert "gateway  supervisor pid 7  2 relays (pids 8, 9 (not connected))" in status_text(status)
 
 
 def test_reload_says_what_changed() -> None:
