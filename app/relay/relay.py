@@ -16,7 +16,6 @@ it in one place (``Relay.serve``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -29,7 +28,7 @@ from app.metrics import RelayMetrics
 from app.relay.admission import RETRY_AFTER_S, Admission, Refusal
 from app.relay.inflight import EngineStopped, InFlight, error_event
 from app.relay.table import TableView
-from app.relay.upstream import EnginePool, EngineUnreachable, StreamCut, request_head
+from app.relay.upstream import EngineConnection, EnginePool, EngineUnreachable, StreamCut, request_head
 from common.events import log_event
 from engine.protocol import RESUMABLE_HEADER, ErrorInfo, ErrorResponse
 
@@ -39,7 +38,6 @@ _RESUMABLE = f"{RESUMABLE_HEADER}: 1\r\n".encode()
 _SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 _JSON = [(b"content-type", b"application/json")]
 MOVE_WAIT_S = 1.0  # how long a failed or draining engine's request waits for the table to move on
-COMPLETION_WAIT_S = 1.0  # for the end of an engine's response after its [DONE]
 
 
 @dataclass(frozen=True)
@@ -173,6 +171,7 @@ class Relay:
     async def _attempt(self, engine: EngineRoute, request: InFlight, sink: ResponseSink) -> Outcome:
         """The request on one engine, its events passed to the client as they come."""
         head = request_head("POST", request.route, request.body(), _RESUMABLE)
+        connection: EngineConnection | None
         try:
             connection = await self.pool.send(engine.socket, head)
         except EngineUnreachable as exc:
@@ -196,15 +195,17 @@ class Relay:
                         await sink.begin_stream()
                     await sink.write(out)
                 if request.done:
-                    # The engine's response ends right after [DONE]: read its end, so the connection is kept.
-                    with contextlib.suppress(TimeoutError, StreamCut):
-                        await asyncio.wait_for(connection.read_all(), COMPLETION_WAIT_S)
+                    # The engine's response ends right after [DONE]; the client does not wait for that end (on two
+                    # busy cores it came milliseconds later): it is read in the background, and the connection kept.
+                    self.pool.settle(engine.socket, connection)
+                    connection = None
                     return Streamed()
             return Failed("the stream ended before [DONE]")
         except StreamCut as exc:
             return Failed(str(exc))
         finally:
-            self.pool.release(engine.socket, connection)
+            if connection is not None:
+                self.pool.release(engine.socket, connection)
 
     async def _finished(self, request: InFlight, sink: ResponseSink) -> None:
         if request.streams:

@@ -9,6 +9,7 @@ appends bytes to a list, and a reader takes everything that arrived since its la
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import defaultdict
 
@@ -17,6 +18,7 @@ import httptools
 HIGH_WATER = 256 * 1024  # bytes held for a slow client before the engine's connection stops being read
 IDLE_SECONDS = 20.0  # a kept-alive connection unused this long is closed (the engine's own limit is longer)
 MAX_IDLE = 64  # kept-alive connections per engine
+SETTLE_S = 1.0  # for the end of a response whose content was all read (a connection not ended by then is closed)
 
 
 class EngineUnreachable(Exception):
@@ -155,6 +157,7 @@ class EnginePool:
 
     def __init__(self) -> None:
         self._idle: defaultdict[str, list[EngineConnection]] = defaultdict(list)
+        self._settling: set[asyncio.Task[None]] = set()
 
     async def send(self, socket: str, request: bytes) -> EngineConnection:
         """A connection whose response head has arrived. A reused connection that the engine had closed
@@ -192,6 +195,22 @@ class EnginePool:
             idle.append(connection)
         else:
             connection.close()
+
+    def settle(self, socket: str, connection: EngineConnection) -> None:
+        """Done with the exchange, whose response ends right after what was read: read its end in the background,
+        then keep the connection (release it now if the end is already here)."""
+        if connection.reusable:
+            self.release(socket, connection)
+            return
+
+        async def settle() -> None:
+            with contextlib.suppress(TimeoutError, StreamCut):
+                await asyncio.wait_for(connection.read_all(), SETTLE_S)
+            self.release(socket, connection)
+
+        task = asyncio.get_running_loop().create_task(settle())
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
 
     def forget(self, keep: set[str]) -> None:
         """Close the kept connections of engines no longer in ``keep`` (they were retired)."""
