@@ -386,5 +386,6 @@ def test_kill_9_of_the_supervisor_keeps_the_model_resident(suite: Suite) -> None
     assert status["restarts"][-1]["weight_source"] == "ipc"
     suite.record("kill -9 of the supervisor, then `warmgate serve` again", injected, recovered,
                  expect_failures=True,
-                 lost="the requests in flight (their connections were the gateway's); the model stayed resident "
-                      "(cache adopted, no disk read); recovery includes starting the new gateway")  # fmt: skip
+                 lost="the requests sent while nothing listened (refused; the requests in flight finished: relays "
+                      "and engines drain as they stop); the model stayed resident (cache adopted, no disk read); "
+                      "recovery includes starting the new gateway")  # fmt: skip
