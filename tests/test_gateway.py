@@ -284,6 +284,10 @@ def test_hostile_input_gets_openai_errors_never_a_5xx(gateway: Gateway) -> None:
     chat = '{"model": "demo", "max_tokens": 2, "messages": [{"role": "user", "content": "\\udfff"}]}'
     error(post("/v1/chat/completions", chat), 400, "not valid Unicode")
     error(post("/v1/completions", "[" * 100_000 + "]" * 100_000), 400, "nested too deeply")
+    # Fields the gateway acts on itself are checked by it: a truthy string is not a stream.
+    wrong = post("/v1/completions", '{"model": "demo", "prompt": "Hi", "stream": "yes please"}')
+    error(wrong, 400, "stream", "boolean")
+    assert wrong.json()["error"]["param"] == "stream" and wrong.headers["content-type"] == "application/json"
     error(post("/v1/chat/completions", b"x" * (9 * 2**20)), 413, "exceeds the limit")
     # Under the body limit but far beyond the context: refused before the 2 MB are tokenized.
     huge = json.dumps({"model": "demo", "max_tokens": 2, "prompt": "word " * 400_000})
