@@ -38,6 +38,7 @@ from cache.protocol import (
 )
 from common import events
 from common.framing import ProtocolError, recv_message, send_json, send_message
+from common.proctitle import set_title
 from common.uds import bind_unix_socket, peer_credentials, private_dir
 
 if TYPE_CHECKING:
@@ -199,6 +200,7 @@ def main(model: Path, socket_path: Path, device: str = "auto", dtype: str = "aut
     """Run the cache process until SIGTERM/SIGINT. Checkpoint errors propagate before the socket exists."""
     started = time.perf_counter()
     events.configure_logging()
+    set_title(f"cache {Path(model).name} {socket_path.parent}")
     events.log_event(log, "startup", phase="begin", model=model, socket=socket_path, device=device, backend=backend,
                      pid=os.getpid())  # fmt: skip
     stop = threading.Event()

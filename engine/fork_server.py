@@ -35,6 +35,7 @@ from common.events import configure_logging, log_event
 from common.framing import ProtocolError, recv_message, send_message
 from common.lifetime import INTERVAL as LIFETIME_INTERVAL
 from common.lifetime import SupervisorWatch
+from common.proctitle import set_title
 from common.uds import bind_unix_socket
 from engine.fork_protocol import ChildExit, SpawnReply, SpawnRequest
 
@@ -70,6 +71,7 @@ def preload(backend: str = "native") -> float:
 def serve(socket_path: Path, child_main: ChildMain, backend: str = "native") -> int:
     """Serve spawn requests on ``socket_path`` until SIGTERM/SIGINT; each child runs ``child_main(argv)``."""
     configure_logging()
+    set_title(f"fork server {socket_path.parent}")
     log_event(log, "startup", phase="begin", socket=socket_path, pid=os.getpid())
     log_event(log, "startup", phase="import", backend=backend, seconds=preload(backend))
     server = _ForkServer(socket_path, child_main)

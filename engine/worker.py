@@ -51,9 +51,10 @@ def _server_class() -> type[uvicorn.Server]:
 
 
 async def _serve(app: FastAPI, api: EngineAPI, engine: ServingEngine, sock: socket.socket, drain_timeout: float,
-                 stop_requested: list[str], heartbeat: Heartbeat | None) -> None:  # fmt: skip
+                 stop_requested: list[str], heartbeat: Heartbeat | None, socket_path: Path) -> None:  # fmt: skip
     import uvicorn
 
+    title_name, title_dir = socket_path.stem.removeprefix("engine-"), socket_path.parent
     # The socket is bound by bind_unix_socket (uvicorn's own uds binding would chmod it 0666). Requests get
     # their grace period from the drain; whatever outlives it is cut after a second, not waited for forever.
     # Relays keep their connections to an engine open between requests (app/relay/upstream.py closes its idle
@@ -87,9 +88,16 @@ async def _serve(app: FastAPI, api: EngineAPI, engine: ServingEngine, sock: sock
         loop.add_signal_handler(sig, on_signal, sig)
     if heartbeat is not None:  # this loop's share of the liveness signal (common/heartbeat.py)
         from common.heartbeat import BEAT_INTERVAL, EVENT_LOOP
+        from common.proctitle import set_title
+
+        shown = [""]
 
         def beat() -> None:
             heartbeat.beat(EVENT_LOOP)
+            state = heartbeat.state()  # what the supervisor says this engine is: its process title says it too
+            if state != shown[0]:
+                shown[0] = state
+                set_title(f"engine {title_name} {state} {title_dir}")
             loop.call_later(BEAT_INTERVAL, beat)
 
         beat()
@@ -150,6 +158,10 @@ def main(socket_path: str | Path, config_source: str, drain_timeout: float = DEF
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: stop_requested.append(signal.Signals(signum).name))
     log_event("startup", phase="begin", socket=socket_path, pid=os.getpid())
+    from common.proctitle import set_title
+
+    name = socket_path.stem.removeprefix("engine-")  # the supervisor names it engine-GENERATION-ID
+    set_title(f"engine {name} starting {socket_path.parent}")
     from common.lifetime import stop_with_supervisor
 
     stop_with_supervisor()  # a gateway killed with SIGKILL leaves no engine behind
@@ -205,7 +217,7 @@ def main(socket_path: str | Path, config_source: str, drain_timeout: float = DEF
     gc.freeze()
     log_event("ready", socket=socket_path, seconds=time.perf_counter() - started, **engine.startup_phases)
     try:
-        asyncio.run(_serve(app, app.state.api, engine, sock, drain_timeout, stop_requested, heartbeat))
+        asyncio.run(_serve(app, app.state.api, engine, sock, drain_timeout, stop_requested, heartbeat, socket_path))
     finally:
         sock.close()
         socket_path.unlink(missing_ok=True)

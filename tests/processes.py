@@ -192,7 +192,7 @@ GATEWAY_START_DEADLINE = 180.0
 
 @dataclass
 class Gateway:
-    """A `warmgate serve` process on a free loopback port, with its run dir and log."""
+    """A `warmgate serve` process on a loopback port, with its run dir and log (``url`` is empty until it is known)."""
 
     proc: subprocess.Popen[bytes]
     url: str
@@ -215,42 +215,40 @@ class Gateway:
         return next((e["pid"] for e in status["engines"] if e["id"] == status["active"]), None)
 
     def stop(self) -> None:
-        """SIGTERM; the gateway must exit 0 and leave no socket behind."""
+        """SIGTERM; the gateway must exit 0 and leave no socket behind, nor its address."""
         self.proc.send_signal(signal.SIGTERM)
         assert self.proc.wait(timeout=120) == 0, self.log_path.read_text()[-3000:]
         assert not list(self.run_dir.glob("*.sock")), "sockets left behind"
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        assert not (self.run_dir / "address").exists(), "the address of a stopped gateway left behind"
 
 
 def start_gateway(root: Path, config_text: str, env: dict[str, str] | None = None) -> Gateway:
-    """Write the config, start `warmgate serve` (``env`` added to its environment), wait until /ready answers."""
+    """Write the config, start `warmgate serve` on a port of its choosing (``--port 0``: no two tests can race for
+    one), ``env`` added to its environment, and wait until /ready answers."""
     config = root / "warmgate.toml"
     config.write_text(config_text)
-    port = free_port()
     log_path = root / "serve.log"
-    cmd = [sys.executable, "-m", "app.cli", "serve", "--config", str(config), "--port", str(port),
+    cmd = [sys.executable, "-m", "app.cli", "serve", "--config", str(config), "--port", "0",
            "--run-dir", str(root / "run")]  # fmt: skip
     with log_path.open("wb") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-    return wait_until_ready(Gateway(proc, f"http://127.0.0.1:{port}", root / "run", config, log_path))
+    return wait_until_ready(Gateway(proc, "", root / "run", config, log_path))
 
 
 def wait_until_ready(gw: Gateway) -> Gateway:
-    """Poll the gateway's /ready until it answers 200; fail (with its log) if it exits or takes too long."""
+    """Poll the gateway's /ready until it answers 200 (its URL, if not known, read from the address it records in
+    its run dir); fail (with its log) if it exits or takes too long."""
+    from app.supervisor.run_dir import read_address
+
     deadline = time.monotonic() + GATEWAY_START_DEADLINE
     while time.monotonic() < deadline:
         assert gw.proc.poll() is None, gw.log_path.read_text()
         try:
+            if not gw.url:
+                gw.url = read_address(gw.run_dir).url
             if httpx.get(f"{gw.url}/ready", timeout=30).status_code == 200:
                 return gw
-        except httpx.TransportError:
+        except (httpx.TransportError, FileNotFoundError):
             pass
         time.sleep(0.2)
     gw.proc.kill()

@@ -130,17 +130,16 @@ def image_gateway(demo_path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     volume.mkdir(mode=0o777)
     volume.chmod(0o777)
     run_dir = volume / Path(image["WARMGATE_RUN_DIR"]).relative_to(image["VOLUME"])
-    port = processes.free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("WARMGATE_")}
     env.update({k: v for k, v in _parse(REPO / "Dockerfile").envs.items()
                 if k not in ("PATH", "WARMGATE_CACHE_DIR")})  # fmt: skip
-    env.update(WARMGATE_RUN_DIR=str(run_dir), WARMGATE_GATEWAY__PORT=str(port), WARMGATE_GATEWAY__HOST="127.0.0.1")
+    env.update(WARMGATE_RUN_DIR=str(run_dir), WARMGATE_GATEWAY__PORT="0", WARMGATE_GATEWAY__HOST="127.0.0.1")
     if "WARMGATE_CACHE_DIR" in os.environ:
         env["WARMGATE_CACHE_DIR"] = os.environ["WARMGATE_CACHE_DIR"]
     log_path = root / "serve.log"
     with log_path.open("wb") as out:
         proc = subprocess.Popen(argv, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT)
-    gw = ImageGateway(proc, f"http://127.0.0.1:{port}", run_dir, None, log_path, env)
+    gw = ImageGateway(proc, "", run_dir, None, log_path, env)
     processes.wait_until_ready(gw)
     yield gw
     if proc.poll() is None:

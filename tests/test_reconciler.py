@@ -95,6 +95,9 @@ class FakeLauncher:
     async def health(self, engine: Engine, timeout: float) -> HealthResponse | None:
         return engine.health
 
+    def announce(self, engine: Engine) -> None:
+        self.log.append((engine.state.value, engine.id))
+
 
 class Harness:
     def __init__(self, tmp: Path, **limits: Any) -> None:
@@ -285,3 +288,53 @@ def test_the_state_machine_refuses_what_it_does_not_have(tmp_path: Path) -> None
     transition(engine, EngineState.ACTIVE)
     with pytest.raises(IllegalTransition):
         transition(engine, EngineState.STANDBY)
+
+
+async def test_recovery_attempts_after_a_crash_wait_twice_as_long_each_time_up_to_the_cap(tmp_path: Path) -> None:
+    """crash_backoff 0.4 s, crash_backoff_max 1.6 s: while every start fails, the recovery attempts after a crash
+    of the active engine begin at once, then 0.4, 0.8, 1.6 and 1.6 s apart (each attempt's report is made when it
+    begins: its ``at``); once starts succeed an attempt recovers, and the delays start over from crash_backoff."""
+    import time  # (appended test: the module's imports are left as they are)
+
+    first, cap = 0.4, 1.6
+    h = Harness(tmp_path, standby=0, crash_backoff=first, crash_backoff_max=cap)
+    h.reconciler.start()
+
+    def attempts() -> list[RestartReport]:
+        return [r for r in h.reconciler.reports if r.reason == "crash"]
+
+    try:
+        await h.reconciler.restart(h.config, "overlap", "start")
+        h.launcher.fail_starts.update(range(2, 1000))  # every engine started from now on exits during start-up
+        active = h.active
+        assert active is not None and active.process is not None
+        crashed_at = time.time()
+        active.process.kill()
+        await h.until(lambda: len(attempts()) >= 5, "five recovery attempts", timeout=20)
+        tries = attempts()[:5]
+        assert not any(r.ok for r in tries) and h.active is None, [r.to_json() for r in tries]
+        assert tries[0].at - crashed_at < first / 2, tries[0].at - crashed_at  # the first attempt: at once
+        gaps = [round(b.at - a.at, 3) for a, b in itertools.pairwise(tries)]
+        expected = [first, 2 * first, cap, cap]  # doubling, then held at crash_backoff_max
+        for gap, want in zip(gaps, expected, strict=True):
+            assert want - 0.02 <= gap <= want + 0.3, (gaps, expected)
+
+        h.launcher.fail_starts.clear()
+        await h.until(lambda: h.active is not None, "recovery once engines start again", timeout=10)
+        recovery = attempts()[-1]
+        assert recovery.ok and recovery.engine == h.active.id and recovery.path == "fork", recovery.to_json()
+
+        # A success starts the delays over: after the next crash, the second attempt follows the first by
+        # crash_backoff again, not by the cap reached before.
+        done = len(attempts())
+        h.launcher.fail_starts.update(range(1, 1000))
+        active = h.active
+        assert active is not None and active.process is not None
+        active.process.kill()
+        await h.until(lambda: len(attempts()) >= done + 2, "two more recovery attempts", timeout=10)
+        again = attempts()[done : done + 2]
+        assert first - 0.02 <= again[1].at - again[0].at <= first + 0.3, [r.at for r in again]
+        h.launcher.fail_starts.clear()
+        await h.until(lambda: h.active is not None, "recovery again", timeout=10)
+    finally:
+        await h.reconciler.close()

@@ -30,6 +30,9 @@ log = logging.getLogger("warmgate.relay")
 def main(control: Path, listen_fd: int, index: int, board: Path, drain_timeout: float) -> int:
     started = time.perf_counter()
     configure_logging()
+    from common.proctitle import set_title
+
+    set_title(f"relay {index} {control.parent}")
     import uvloop
 
     uvloop.run(_serve(control, listen_fd, index, board, drain_timeout, started))

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from app.supervisor.logs import last_error
 from app.supervisor.terminate import terminate
 from cache.client import CacheClient, CacheRefused, CacheUnavailable
 from cache.manifest import expected_key
@@ -136,22 +137,32 @@ async def start_or_adopt(spec: CacheSpec, socket: Path, log_path: Path, timeout:
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "app.cli", "cache", "--model", str(spec.model), "--socket", str(socket),
             "--device", spec.device, "--dtype", spec.dtype, "--backend", spec.backend, stdout=out,
-            stderr=asyncio.subprocess.STDOUT,
+            stderr=asyncio.subprocess.STDOUT, start_new_session=True,  # Ctrl-C in a terminal is the supervisor's
         )  # fmt: skip
     handle = CacheHandle(spec, socket, key, process, process.pid)
+    try:
+        await _until_serving(handle, log_path, timeout)
+    except BaseException:  # it failed, or the start was given up (a stop while it loads): nothing is left behind
+        await handle.stop()
+        raise
+    log_event(log, "cache_started", socket=socket, pid=process.pid, key=key[:12])
+    return handle
+
+
+async def _until_serving(handle: CacheHandle, log_path: Path, timeout: float) -> None:
+    process = handle.process
+    assert process is not None
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while loop.time() < deadline:
         if process.returncode is not None:
-            tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
-            raise CacheStartError(f"the cache process exited with {process.returncode}: {tail[0]}")
+            raise CacheStartError(f"the cache process exited with {process.returncode}: {last_error(log_path)}")
         try:
-            with CacheClient(socket, name="gateway") as client:
-                if client.hello.key != key:
+            with CacheClient(handle.socket, name="gateway") as client:
+                if client.hello.key != handle.key:
                     raise CacheStartError("the cache process serves another key than expected")
-            log_event(log, "cache_started", socket=socket, pid=process.pid, key=key[:12])
-            return handle
+            return
         except CacheUnavailable:
             await asyncio.sleep(0.1)
-    await handle.stop()
     raise CacheStartError(f"the cache process was not ready after {timeout:.0f}s")
+

@@ -92,6 +92,7 @@ class ForkServer:
             self.process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "app.cli", "fork-server", "--socket", str(self.socket),
                 "--backend", self.backend, stdout=out, stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,  # Ctrl-C in a terminal is the supervisor's: it stops the fork server in order
             )  # fmt: skip
         deadline = time.monotonic() + START_TIMEOUT
         while not self._listening():

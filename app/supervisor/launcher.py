@@ -21,6 +21,7 @@ from pydantic import ValidationError
 
 from app.supervisor.engines import Engine, EngineStartError, RestartReport, WorkerProcess
 from app.supervisor.forks import ForkServer, ForkServerUnavailable
+from app.supervisor.logs import last_error
 from app.supervisor.terminate import terminate
 from common.events import log_event
 from common.heartbeat import Heartbeat
@@ -49,6 +50,9 @@ class Launcher(Protocol):
 
     async def health(self, engine: Engine, timeout: float) -> HealthResponse | None:
         """What the engine says of itself (None: no answer)."""
+
+    def announce(self, engine: Engine) -> None:
+        """Tell the engine its state (it shows it in its process title)."""
 
 
 class WorkerLauncher:
@@ -87,7 +91,7 @@ class WorkerLauncher:
         except (TimeoutError, EngineStartError, httpx.HTTPError) as exc:
             await self.stop(engine, grace=10)
             why = "did not become ready in time" if isinstance(exc, TimeoutError) else str(exc)
-            raise EngineStartError(f"engine {engine.id} {why}; log: {_tail(engine.log_path)}") from None
+            raise EngineStartError(f"engine {engine.id} {why}: {last_error(engine.log_path)}") from None
 
     async def _launch(self, argv: list[str], log_path: Path) -> tuple[WorkerProcess, str]:
         """Fork the worker from the fork server (Python and torch already imported there), else spawn it."""
@@ -98,8 +102,10 @@ class WorkerLauncher:
                 log_event(log, "fork_fallback", reason=exc)
                 self.forker.restart_in_background()
         with log_path.open("wb") as out:
+            # In its own session, as a forked worker is: Ctrl-C in a terminal is the supervisor's to pass on.
             spawned = await asyncio.create_subprocess_exec(sys.executable, "-m", "app.cli", *argv, stdout=out,
-                                                           stderr=asyncio.subprocess.STDOUT)  # fmt: skip
+                                                           stderr=asyncio.subprocess.STDOUT,
+                                                           start_new_session=True)  # fmt: skip
         return spawned, "spawn"
 
     async def _until_healthy(self, engine: Engine) -> None:
@@ -132,6 +138,14 @@ class WorkerLauncher:
         engine.socket.unlink(missing_ok=True)  # a killed worker cannot remove it itself
         engine.heartbeat_path.unlink(missing_ok=True)
 
+    def announce(self, engine: Engine) -> None:
+        with contextlib.suppress(OSError, ValueError):  # its file is gone: it is being stopped
+            heartbeat = Heartbeat(engine.heartbeat_path)
+            try:
+                heartbeat.tell_state(engine.state.value)
+            finally:
+                heartbeat.close()
+
     async def health(self, engine: Engine, timeout: float) -> HealthResponse | None:
         try:
             response = await self._http(engine).get("/health", timeout=timeout)
@@ -141,10 +155,3 @@ class WorkerLauncher:
         engine.health = health
         return health
 
-
-def _tail(path: Path, lines: int = 3) -> str:
-    try:
-        text = path.read_text(errors="replace").strip().splitlines()
-    except OSError:
-        return "(no log)"
-    return " | ".join(text[-lines:]) or "(empty)"

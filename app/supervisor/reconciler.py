@@ -40,12 +40,14 @@ from app.config import RestartSettings
 from app.metrics import SupervisorMetrics
 from app.supervisor.engines import Engine, EngineStartError, EngineState, RestartReport, transition
 from app.supervisor.launcher import Launcher
+from app.supervisor.logs import remove_old_logs
 from common.backoff import Backoff
 from common.events import log_event, log_warning
 from engine.config import EngineConfig
 
 log = logging.getLogger("warmgate.supervisor.engines")
 PROBE_TIMEOUT_S = 30.0  # a standby's promotion probe
+KEEP_LOGS = 20  # engine logs kept in the run dir (the newest): one per engine ever started would grow forever
 
 
 @dataclass(frozen=True)
@@ -155,8 +157,9 @@ class Restart:
 
 class Reconciler:
     def __init__(self, run_dir: Path, limits: RestartSettings, launcher: Launcher, metrics: SupervisorMetrics,
-                 on_routing: Callable[[Routing], Awaitable[None]]) -> None:  # fmt: skip
+                 on_routing: Callable[[Routing], Awaitable[None]], generation: int = 1) -> None:  # fmt: skip
         self.run_dir = run_dir
+        self.generation = generation  # the gateway's (app/supervisor/run_dir.py): in engine file names
         self.limits = limits
         self.launcher = launcher
         self.metrics = metrics
@@ -353,7 +356,7 @@ class Reconciler:
         assert engine is not None
         r.lap()
         old = self.active
-        transition(engine, EngineState.ACTIVE)
+        self._set(engine, EngineState.ACTIVE)
         if old is not None and old is not engine:
             self._retire(old)  # `overlap`: the old one drains once the relays have the new table
         r.old = old
@@ -396,7 +399,7 @@ class Reconciler:
     def _started(self, engine: Engine) -> None:
         if engine.state is not EngineState.STARTING:  # closed meanwhile
             return
-        transition(engine, EngineState.READY)
+        self._set(engine, EngineState.READY)
         self._spawn(self._watch(engine))
         r = self._restart
         if r is not None and r.candidate is engine:
@@ -409,7 +412,7 @@ class Reconciler:
         if self._closing or engine.config != self.desired or len(current) >= self.limits.standby:
             self._retire(engine)
             return
-        transition(engine, EngineState.STANDBY)
+        self._set(engine, EngineState.STANDBY)
         log_event(log, "standby_ready", engine=engine.id, path=engine.path)
 
     def _start_failed(self, engine: Engine, error: str) -> None:
@@ -462,8 +465,11 @@ class Reconciler:
 
     def _launch(self, config: EngineConfig, report: RestartReport) -> Engine:
         engine_id = next(self._ids)
-        engine = Engine(engine_id, self.run_dir / f"engine-{engine_id}.sock", self.run_dir / f"engine-{engine_id}.log",
-                        self.run_dir / f"engine-{engine_id}.beat", config)  # fmt: skip
+        # Named by generation and id: an earlier gateway's engine still draining in the run dir never shares a name.
+        name = self.run_dir / f"engine-{self.generation}-{engine_id}"
+        engine = Engine(engine_id, name.with_suffix(".sock"), name.with_suffix(".log"), name.with_suffix(".beat"),
+                        config)  # fmt: skip
+        remove_old_logs(self.run_dir, "engine-*.log", KEEP_LOGS)
         self.engines[engine_id] = engine
         self._spawn(self._start(engine, report))
         return engine
@@ -486,7 +492,7 @@ class Reconciler:
 
     def _retire(self, engine: Engine) -> None:
         """Take the engine out of routing now; drain and stop it once the relays have the table without it."""
-        transition(engine, EngineState.DRAINING)
+        self._set(engine, EngineState.DRAINING)
         self._publish()
         routed = self._routed
 
@@ -498,6 +504,11 @@ class Reconciler:
             self.post(Stopped(engine))
 
         self._spawn(retire())
+
+    def _set(self, engine: Engine, state: EngineState) -> None:
+        """The engine's new state, and the engine told of it (its process title says it)."""
+        transition(engine, state)
+        self.launcher.announce(engine)
 
     def _fail_engine(self, engine: Engine) -> None:
         """A running engine that must go (crashed, hung, refused its probe): out of routing now, stopped."""
@@ -550,3 +561,4 @@ class Reconciler:
 
     def _wake_in(self, seconds: float) -> None:
         asyncio.get_running_loop().call_later(max(seconds, 0.0), self.post, Wake())
+

@@ -143,7 +143,7 @@ class Relays:
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "app.cli", "relay", "--control", str(self.control_path), "--listen-fd", str(fd),
             "--index", str(index), "--board", str(self.board_path), "--drain-timeout", str(self.drain_timeout),
-            pass_fds=(fd,),
+            pass_fds=(fd,), start_new_session=True,  # Ctrl-C in a terminal is the supervisor's: it stops relays first
         )  # fmt: skip
         relay = RelayProcess(index, process)
         self.relays[index] = relay

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import logging
 import os
 import secrets
@@ -28,6 +29,10 @@ log = logging.getLogger("warmgate.supervisor")
 TOKEN_FILE = "admin-token"
 
 
+class GatewayStartError(RuntimeError):
+    """The gateway could not start (its first engine did not); the message says why, in one line."""
+
+
 def admin_token(settings: Settings) -> str:
     """The configured token, or a new one written to the run dir (mode 0600) for the CLI to read."""
     token = settings.gateway.admin_token or os.environ.get("WARMGATE_ADMIN_TOKEN") or secrets.token_urlsafe(24)
@@ -39,38 +44,72 @@ def admin_token(settings: Settings) -> str:
 
 
 def main(config_path: Path | None, **overrides: Any) -> int:
+    """Every check a user can fail comes before anything starts: the run dir (ours, and not in use), the model,
+    the port; each fails as one line (app/cli.py) within seconds, with nothing left running."""
     started = time.perf_counter()
     configure_logging()
     name_supervisor()  # engines and the fork server stop when this process dies, even by SIGKILL
     settings = load_settings(config_path, **overrides)
     private_dir(settings.run_dir)
-    from app.metrics import use_directory
+    from app.supervisor.run_dir import RunDir, url_for
 
-    use_directory(settings.run_dir / "metrics", fresh=True)  # before any metric exists, here or in a child
-    from app.supervisor.relays import open_listener
+    run_dir = RunDir(settings.run_dir)
+    run_dir.claim()
+    from common.proctitle import set_title
 
-    gateway = settings.gateway
+    set_title(f"supervisor {settings.run_dir}")
     try:
-        listener = open_listener(gateway.host, gateway.port)
-    except OSError as exc:
-        raise ConnectionError(f"cannot listen on {gateway.host}:{gateway.port}: {exc.strerror or exc}") from None
-    token = admin_token(settings)
-    from common.device import resolve_device
+        model = settings.model
+        if model is not None:
+            _looks_like_a_checkpoint(model)  # at once, before the imports a full check needs
+            from cache.checkpoint.reader import read_checkpoint
 
-    # "auto" (the default) is resolved by each process with the same function; logged here so nobody guesses.
-    log_event(log, "device", setting=settings.engine.device, engines=resolve_device(settings.engine.device),
-              cache=resolve_device(settings.cache_device or settings.engine.device))  # fmt: skip
-    model = settings.model
-    if model is None:
-        from cache.checkpoint.demo import build_demo
+            read_checkpoint(model)  # the errors `warmgate model check` gives, before any process starts
+        from app.metrics import use_directory
 
-        model = build_demo("fp8-block", progress=True)
-    asyncio.run(_serve(settings, config_path, overrides, model.resolve(), token, listener, started))
+        use_directory(settings.run_dir / "metrics", fresh=True)  # before any metric exists, here or in a child
+        from app.supervisor.relays import open_listener
+
+        gateway = settings.gateway
+        try:
+            listener = open_listener(gateway.host, gateway.port)
+        except OSError as exc:
+            raise ConnectionError(f"cannot listen on {gateway.host}:{gateway.port}: {exc.strerror or exc}") from None
+        url = url_for(gateway.host, listener.getsockname()[1])  # the port chosen, with --port 0
+        run_dir.record_address(url)
+        token = admin_token(settings)
+        from common.device import resolve_device
+
+        # "auto" (the default) is resolved by each process with the same function; logged here so nobody guesses.
+        log_event(log, "device", setting=settings.engine.device, engines=resolve_device(settings.engine.device),
+                  cache=resolve_device(settings.cache_device or settings.engine.device))  # fmt: skip
+        if model is None:
+            from cache.checkpoint.demo import build_demo
+
+            model = build_demo("fp8-block", progress=True)
+        asyncio.run(_serve(settings, config_path, overrides, model.resolve(), token, listener, url, run_dir.generation,
+                           started))  # fmt: skip
+    finally:
+        run_dir.release()
     return 0
 
 
+def _looks_like_a_checkpoint(model: Path) -> None:
+    """A directory with a readable config.json, or the error that says which it is not."""
+    if not model.is_dir():
+        raise FileNotFoundError(f"--model {model}: no such directory (a Hugging Face checkpoint directory)")
+    config = model / "config.json"
+    try:
+        json.loads(config.read_text())
+    except OSError as exc:
+        raise FileNotFoundError(f"--model {model}: cannot read {config.name} ({exc.strerror}): not a Hugging Face "
+                                "checkpoint directory") from None  # fmt: skip
+    except ValueError as exc:
+        raise ValueError(f"--model {model}: {config.name} is not valid JSON ({exc})") from None
+
+
 async def _serve(settings: Settings, config_path: Path | None, overrides: dict[str, Any], model: Path, token: str,
-                 listener: Any, started: float) -> None:  # fmt: skip
+                 listener: Any, url: str, generation: int, started: float) -> None:  # fmt: skip
     from app.metrics import SupervisorMetrics
     from app.supervisor.cache import CacheSpec, adopt_or_start
     from app.supervisor.forks import ForkServer, ForkServerUnavailable
@@ -82,8 +121,15 @@ async def _serve(settings: Settings, config_path: Path | None, overrides: dict[s
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
+
+    def on_stop(sig: signal.Signals) -> None:
+        if not stop.is_set():  # say so at once: stopping waits for requests in flight (drain_timeout)
+            log_event(log, "stopping", signal=sig.name, drain_timeout=settings.restart.drain_timeout,
+                      seconds=time.perf_counter() - started)  # fmt: skip
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_stop, sig)
     run_dir, r = settings.run_dir, settings.restart
     metrics = SupervisorMetrics()
     forker = ForkServer(run_dir / "fork.sock", run_dir / "fork-server.log", settings.engine.backend) \
@@ -112,7 +158,7 @@ async def _serve(settings: Settings, config_path: Path | None, overrides: dict[s
             assert supervisor is not None
             await supervisor.on_routing(routing)
 
-        reconciler = Reconciler(run_dir, r, WorkerLauncher(forker), metrics, on_routing)
+        reconciler = Reconciler(run_dir, r, WorkerLauncher(forker), metrics, on_routing, generation)
         supervisor = Supervisor(settings, config_path, overrides, model, cache, reconciler, metrics, token)
         relays = Relays(run_dir, settings.gateway.relay_count(), listener, r.drain_timeout, metrics, supervisor.admin,
                         supervisor.relay_failure)  # fmt: skip
@@ -124,7 +170,7 @@ async def _serve(settings: Settings, config_path: Path | None, overrides: dict[s
         try:
             report = await reconciler.restart(settings.engine_config(model, cache.socket), "overlap", reason="start")
             if not report.ok:
-                raise RuntimeError(f"the first engine did not start: {report.error}")
+                raise GatewayStartError(f"the first engine did not start: {report.error}")
             await relaying
         finally:
             if not relaying.done():
@@ -146,12 +192,10 @@ async def _serve(settings: Settings, config_path: Path | None, overrides: dict[s
             # Start-up's objects live as long as the supervisor: frozen out of the collector.
             gc.collect()
             gc.freeze()
-            gateway = settings.gateway
-            log_event(log, "ready", url=f"http://{gateway.host}:{gateway.port}", model=model, run_dir=run_dir,
-                      relays=gateway.relay_count(), seconds=time.perf_counter() - started)  # fmt: skip
+            log_event(log, "ready", url=url, model=model, run_dir=run_dir, relays=settings.gateway.relay_count(),
+                      seconds=time.perf_counter() - started)  # fmt: skip
             await stopping
     finally:
-        log_event(log, "stopping", seconds=time.perf_counter() - started)
         for task in (starting, stopping, *tasks):
             task.cancel()
         await asyncio.gather(starting, stopping, *tasks, return_exceptions=True)
