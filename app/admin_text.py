@@ -16,9 +16,10 @@ MISSING = "-"
 
 
 def status_text(status: dict[str, Any]) -> str:
-    """The model, the cache, the gateway's processes, a table of engines and the last restarts with their phases."""
+    """The model, the cache, the gateway's processes, the active engine's settings, a table of engines and the last
+    restarts with their phases."""
     lines = [f"model    {status.get('model', MISSING)}", f"cache    {_cache_line(status.get('cache', {}))}",
-             f"gateway  {_gateway_line(status)}", ""]
+             f"gateway  {_gateway_line(status)}", f"engine   {_settings_line(status)}", ""]
     engines = status.get("engines", [])
     if engines:
         rows = [[e.get("id"), e.get("state"), e.get("pid"), e.get("weight_source") or MISSING,
@@ -37,18 +38,21 @@ def status_text(status: dict[str, Any]) -> str:
 
 
 def restart_text(report: dict[str, Any]) -> str:
-    """One line for the restart (when, why, how, outcome, total), then one line per phase with its duration."""
+    """The outcome first (ok, or FAILED and why, in one line), then when, why and how, the total; then one line per
+    phase with its duration."""
     phases = dict(report.get("phases", {}))
     total = phases.pop("total", None)
     when = time.strftime("%H:%M:%S", time.localtime(report["at"])) if report.get("at") else MISSING
+    what = f"{when}  {report.get('reason', MISSING)}  {report.get('strategy', MISSING)}"
     if report.get("ok"):
         how = ", ".join(str(x) for x in (report.get("path"), report.get("weight_source")) if x)
-        outcome = f"ok: engine {report.get('engine')}" + (f" ({how})" if how else "")
+        head = f"ok  {what}  engine {report.get('engine')}" + (f" ({how})" if how else "")
+        if total is not None:
+            head += f"  total {_seconds(total)}"
     else:
-        outcome = f"FAILED: {report.get('error') or 'no reason given'}"
-    head = f"{when}  {report.get('reason', MISSING)}  {report.get('strategy', MISSING)}  {outcome}"
-    if total is not None:
-        head += f"  total {_seconds(total)}"
+        head = f"FAILED  {what}: {report.get('error') or 'no reason given'}"
+    if report.get("overrides"):  # engine settings of an admin restart, kept until the next reload
+        head += "\n    overrides " + " ".join(f"{k}={v}" for k, v in report["overrides"].items())
     if not phases:
         return head
     rows = [[phase, _seconds(seconds)] for phase, seconds in phases.items()]
@@ -57,15 +61,37 @@ def restart_text(report: dict[str, Any]) -> str:
 
 
 def reload_text(report: dict[str, Any]) -> str:
-    """What the reload changed, and the restart it caused (if any)."""
+    """The outcome first; what the reload changed; what waits for the next start; the restart it caused (if any)."""
+    if report.get("config") is None and "config" in report:
+        return ("nothing to re-read: the gateway was started without --config (its environment and command line "
+                "are read once, at start)")  # fmt: skip
+    lines: list[str] = []
     changed = report.get("changed")
-    if changed is None:
-        return "config re-read: no engine or model setting changed, nothing restarted"
-    what = {
-        "model": "the model changed: a new cache process, then the engines swapped",
-        "cache": "the cached weights' backend, device or dtype changed: a new cache process, then the engines swapped",
-    }.get(changed, "engine settings changed: the engines rolled over on the cached weights")
-    return f"config re-read: {what}\n{restart_text(report)}"
+    if not report.get("ok", True):
+        lines.append(f"reload FAILED, the engines serve on with the settings they had: {report.get('error')}")
+    elif changed is None:
+        lines.append("config re-read: no engine or model setting changed, no engine restarted")
+    else:
+        lines.append("config re-read: " + {
+            "model": "the model changed: a new cache process, then the engines swapped",
+            "cache": "the cached weights' backend, device or dtype changed: a new cache process, then the engines "
+                     "swapped",
+        }.get(changed, "engine settings changed: the engines rolled over on the cached weights"))  # fmt: skip
+    if report.get("applied"):
+        lines.append("applied now: " + ", ".join(report["applied"]))
+    if report.get("pending"):
+        lines.append("at the next start (a running gateway keeps them): " + ", ".join(report["pending"]))
+    if changed is not None:
+        lines.append(restart_text(report))
+    return "\n".join(lines)
+
+
+def _settings_line(status: dict[str, Any]) -> str:
+    """The active engine's settings (what it runs with, overrides included)."""
+    active = next((e for e in status.get("engines", []) if e.get("id") == status.get("active")), None)
+    if active is None:
+        return "no active engine"
+    return " ".join(f"{k}={v}" for k, v in (active.get("settings") or {}).items()) or MISSING
 
 
 def _gateway_line(status: dict[str, Any]) -> str:

@@ -1,8 +1,11 @@
-"""The `warmgate` command line. Heavy imports (torch, transformers) happen inside subcommands."""
+"""warmgate: an OpenAI-compatible LLM gateway whose engines restart on weights kept in memory.
+
+The `warmgate` command line. Heavy imports (torch, transformers) happen inside subcommands."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -18,7 +21,11 @@ class RestartFailed(RuntimeError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="warmgate", description=__doc__)
+    from app.config import GatewaySettings, Settings
+
+    default_run_dir = Settings.model_fields["run_dir"].default
+    gateway = GatewaySettings()
+    parser = argparse.ArgumentParser(prog="warmgate", description=(__doc__ or "").split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
     model = commands.add_parser("model", help="make, quantize and check checkpoints")
@@ -26,32 +33,33 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = model_cmds.add_parser("demo", help="build the SmolLM2-135M-Instruct demo checkpoint (offline)")
     demo.add_argument("--out", type=Path, help="output directory (default: the warmgate cache dir)")
-    demo.add_argument("--scheme", choices=SCHEMES, default="bf16")
+    demo.add_argument("--scheme", choices=SCHEMES, default="bf16",
+                      help="bf16, or FP8 W8A8 made from it (default: bf16)")  # fmt: skip
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
     demo.set_defaults(run=_demo)
 
     quant = model_cmds.add_parser("quantize", help="write a compressed-tensors FP8 W8A8 checkpoint")
-    quant.add_argument("src", type=Path)
-    quant.add_argument("out", type=Path)
-    quant.add_argument("--scheme", choices=FP8_SCHEMES, required=True)
+    quant.add_argument("src", type=Path, help="a bf16/fp16/fp32 Hugging Face checkpoint directory")
+    quant.add_argument("out", type=Path, help="the directory to write")
+    quant.add_argument("--scheme", choices=FP8_SCHEMES, required=True, help="128x128 blocks, per channel or per tensor")
     quant.add_argument("--force", action="store_true", help="replace OUT if it exists")
-    quant.add_argument("--quiet", action="store_true")
+    quant.add_argument("--quiet", action="store_true", help="no progress bars")
     quant.set_defaults(run=_quantize)
 
     synth = model_cmds.add_parser("synth", help="random weights of a real model shape (benchmarks only)")
-    synth.add_argument("out", type=Path)
-    synth.add_argument("--shape", choices=SHAPES, required=True)
-    synth.add_argument("--scheme", choices=SCHEMES, default="fp8-block")
+    synth.add_argument("out", type=Path, help="the directory to write")
+    synth.add_argument("--shape", choices=SHAPES, required=True, help="the model whose shapes to copy")
+    synth.add_argument("--scheme", choices=SCHEMES, default="fp8-block", help="default: fp8-block")
     synth.add_argument("--layers", type=int, help="fewer layers than the real model (same widths)")
     synth.add_argument("--device", default="cpu", help="where to generate and quantize (cpu, cuda)")
     synth.add_argument("--tokenizer", type=Path, help="tokenizer files to copy (default: the demo's, if built)")
-    synth.add_argument("--seed", type=int, default=0)
-    synth.add_argument("--force", action="store_true")
-    synth.add_argument("--quiet", action="store_true")
+    synth.add_argument("--seed", type=int, default=0, help="of the random weights (default: 0)")
+    synth.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    synth.add_argument("--quiet", action="store_true", help="no progress bars")
     synth.set_defaults(run=_synth)
 
     check = model_cmds.add_parser("check", help="validate a checkpoint and print its per-layer schemes")
-    check.add_argument("path", type=Path)
+    check.add_argument("path", type=Path, help="a Hugging Face checkpoint directory")
     check.set_defaults(run=_check)
 
     cache = commands.add_parser("cache", help="run the cache process: a model's processed weights, shared with engines")
@@ -67,21 +75,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="run the OpenAI gateway: cache process, engines, HTTP API")
     serve.add_argument("--model", type=Path, help="checkpoint directory (default: the demo, built if needed)")
-    serve.add_argument("--host", help="address to listen on (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, help="port (default 8000)")
+    serve.add_argument("--host", help=f"address to listen on (default: {gateway.host})")
+    serve.add_argument("--port", type=int, help=f"port (default: {gateway.port}; 0: any free port, recorded in "
+                       "RUN_DIR/address)")  # fmt: skip
     serve.add_argument("--config", type=Path, help="TOML config file (WARMGATE_* environment variables override it)")
-    serve.add_argument("--run-dir", type=Path, help="sockets, logs and the admin token (mode 0700)")
+    serve.add_argument("--run-dir", type=Path, help=f"sockets, logs, the admin token and the address, mode 0700; one "
+                       f"gateway at a time (default: {default_run_dir})")  # fmt: skip
     serve.set_defaults(run=_serve)
 
     for name, help_text in (("status", "show a running gateway's engines, cache and restarts"),
                             ("restart", "restart the engines of a running gateway (on the cached weights)"),
                             ("reload", "make a running gateway re-read its config file")):  # fmt: skip
         admin = commands.add_parser(name, help=help_text)
-        admin.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway's address")
-        admin.add_argument("--run-dir", type=Path, help="where to find the admin token (or WARMGATE_ADMIN_TOKEN)")
+        admin.add_argument("--run-dir", type=Path, help=f"the gateway's run dir: its address and admin token are "
+                           f"read there (default: {default_run_dir}, or WARMGATE_RUN_DIR)")  # fmt: skip
+        admin.add_argument("--url", help="the gateway's address (default: the one recorded in the run dir)")
         admin.add_argument("--json", action="store_true", help="print the JSON document instead of a summary")
         if name == "restart":
-            admin.add_argument("--strategy", choices=("overlap", "replace"))
+            admin.add_argument("--strategy", choices=("overlap", "replace"),
+                               help="overlap: the new engine first, then drain the old; replace: drain first "
+                               "(default: the config's restart.strategy)")  # fmt: skip
         admin.set_defaults(run=_admin, admin_command=name)
 
     engine = commands.add_parser("engine", help="run an engine worker serving the OpenAI API on a Unix socket")
@@ -102,11 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
     relay.add_argument("--drain-timeout", type=float, default=30.0, help="seconds requests get to finish on SIGTERM")
     relay.set_defaults(run=_relay)
 
-    forks = commands.add_parser("fork-server", help="pre-import torch and the engine, then fork engine workers")
+    # Started by `warmgate serve` (engine/fork_server.py): not a command for people, so not in the help.
+    forks = commands.add_parser("fork-server", help=argparse.SUPPRESS)
     forks.add_argument("--socket", type=Path, required=True, help="Unix socket to take spawn requests on")
     forks.add_argument("--backend", default="native", choices=("native", "vllm"),
                        help="also import this engine backend's modules before forking")  # fmt: skip
     forks.set_defaults(run=_fork_server)
+    # The commands people run (relay and fork-server are started by `warmgate serve` and hidden).
+    commands.metavar = "{" + ",".join(c for c in commands.choices if c not in ("relay", "fork-server")) + "}"
     return parser
 
 
@@ -160,16 +176,20 @@ def _admin(args: argparse.Namespace) -> None:
 
     from app.admin_text import reload_text, restart_text, status_text
     from app.config import load_settings
+    from app.supervisor.run_dir import read_address
+    from app.supervisor.serve import TOKEN_FILE
 
+    run_dir = args.run_dir or load_settings(None).run_dir
+    url = (args.url or read_address(run_dir).url).rstrip("/")
     token = os.environ.get("WARMGATE_ADMIN_TOKEN")
     if not token:
-        run_dir = args.run_dir or load_settings(None).run_dir
+        path = run_dir / TOKEN_FILE
         try:
-            token = (run_dir / "admin-token").read_text().strip()
+            token = path.read_text().strip()
         except OSError as exc:
-            raise ValueError(f"no admin token: set WARMGATE_ADMIN_TOKEN or pass --run-dir ({exc.strerror})") from None
+            raise ValueError(f"no admin token in {path} ({exc.strerror}): pass the gateway's --run-dir, or set "
+                             "WARMGATE_ADMIN_TOKEN") from None  # fmt: skip
     headers = {"authorization": f"Bearer {token}"}
-    url = args.url.rstrip("/")
     try:
         if args.admin_command == "status":
             response = httpx.get(f"{url}/admin/status", headers=headers, timeout=30)
@@ -235,6 +255,9 @@ def _print_check(path: Path) -> None:
 
 def _expected_errors() -> tuple[type[BaseException], ...]:
     """Errors that are the user's to fix: shown as one line, no traceback."""
+    from app.supervisor.cache import CacheStartError
+    from app.supervisor.run_dir import RunDirInUse
+    from app.supervisor.serve import GatewayStartError
     from cache.checkpoint.demo import DemoSourceError
     from cache.client import CacheRefused, CacheUnavailable
     from cache.errors import CheckpointError
@@ -242,7 +265,7 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
 
     return (CheckpointError, DemoSourceError, CacheUnavailable, CacheRefused, WeightKeyMismatch, FileExistsError,
             FileNotFoundError, NotADirectoryError, PermissionError, ConnectionError, ValueError,
-            RestartFailed)  # fmt: skip
+            RestartFailed, RunDirInUse, CacheStartError, GatewayStartError)  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -253,6 +276,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("warmgate: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `warmgate status | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes it
+        return 0
     except Exception as exc:
         if isinstance(exc, _expected_errors()):
             print(f"warmgate: error: {exc}", file=sys.stderr)

@@ -31,6 +31,9 @@ CACHE_STATUS_TIMEOUT = 2.0  # seconds the status page waits for the cache's stat
 HEALTH_STATUS_TIMEOUT = 2.0  # seconds the status page waits for an engine's /health
 CACHE_METRICS_INTERVAL = 5.0  # seconds between refreshes of the cache's gauges
 SERVING = (EngineState.READY, EngineState.ACTIVE, EngineState.STANDBY, EngineState.DRAINING)
+# Settings a running gateway keeps until its next start: where it listens and who it lets in, its processes.
+AT_NEXT_START = ("gateway.host", "gateway.port", "gateway.admin_token", "gateway.workers", "run_dir",
+                 "restart.fork_server")  # fmt: skip
 
 
 class AdminRestart(BaseModel):
@@ -39,7 +42,9 @@ class AdminRestart(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     strategy: Literal["overlap", "replace"] | None = None  # none: the configured one
-    engine: dict[str, Any] = {}  # engine settings for this restart's engine (checked like the config file)
+    # Engine settings over the config file's, checked like it; they stay until a reload (or other overrides).
+    # None: the ones in force (an earlier restart's, or none).
+    engine: dict[str, Any] | None = None
 
 
 class Supervisor:
@@ -55,6 +60,7 @@ class Supervisor:
         self.metrics = metrics
         self.admin_token = admin_token
         self.relays: Relays | None = None  # once they run
+        self.engine_overrides: dict[str, Any] = {}  # an admin restart's engine settings, until the next reload
         self.caches_started = 1
         self.cache_down: str | None = None  # why the cache process is not serving, while it is restarted
         self._routing = Routing(None, (), ())
@@ -138,7 +144,7 @@ class Supervisor:
             backoff.succeeded()
             await self.publish()
             log_event(log, "cache_restarted", pid=cache.pid, key=cache.key[:12])
-            config = self.settings.engine_config(self.model, cache.socket)
+            config = self.settings.engine_config(self.model, cache.socket, self.engine_overrides)
             report = await self.reconciler.restart(config, "overlap", reason="cache restarted")
             log_event(log, "engines_moved_to_cache", ok=report.ok, weight_source=report.weight_source)
 
@@ -185,12 +191,15 @@ class Supervisor:
             return 500, error.model_dump(mode="json")
 
     async def restart(self, body: dict[str, Any]) -> dict[str, Any]:
+        """An admin restart. Its engine overrides (``{"engine": {...}}``) stay for later restarts and crash recoveries
+        until another restart gives others (``{}``: none) or a reload brings the file's settings back."""
         try:
             request = AdminRestart.model_validate(body)
         except ValidationError as exc:
             raise ValueError(_problems(exc)) from None
+        overrides = self.engine_overrides if request.engine is None else request.engine
         try:
-            config = self.settings.engine_config(self.model, self.cache.socket, request.engine)
+            config = self.settings.engine_config(self.model, self.cache.socket, overrides)
         except ValidationError as exc:  # an unknown key or a value the engine would refuse
             raise ValueError(f"invalid engine override, nothing restarted: {_problems(exc)}") from None
         keyed = [k for k in ("backend", "device", "dtype") if getattr(config, k) != getattr(self.settings.engine, k)]
@@ -201,13 +210,22 @@ class Supervisor:
             )
         strategy = request.strategy or self.settings.restart.strategy
         report = await self.reconciler.restart(config, strategy, reason="admin")
-        return report.to_json()
+        if report.ok:
+            self.engine_overrides = dict(overrides)
+        return {**report.to_json(), "overrides": self.engine_overrides}
 
     async def reload(self) -> dict[str, Any]:
+        """Re-read the config file: what it changes is applied now (restarting the engines when engine settings or the
+        model changed, which also ends admin-restart overrides), except what waits for the next start."""
+        if self.config_path is None:  # the environment and the command line were read at start: nothing to re-read
+            return {"config": None, "changed": None, "ok": True}
         try:
             new = load_settings(self.config_path, **self.overrides)
         except ConfigError as exc:
             raise ValueError(str(exc)) from None
+        changes = _changed(self.settings, new)
+        pending = [key for key in changes if key in AT_NEXT_START]
+        note = {"config": str(self.config_path), "pending": pending}
         new_model = new.model.resolve() if new.model else self.model
         strategy = new.restart.strategy
         spec = CacheSpec.of(new, new_model)
@@ -221,29 +239,31 @@ class Supervisor:
             report = await self.reconciler.restart(new.engine_config(new_model, cache.socket), strategy, "reload")
             if not report.ok:
                 await cache.stop()
-                return {"changed": changed, **report.to_json()}
+                return {**note, "changed": changed, **report.to_json()}
             self.cache, self.model = cache, new_model
             await old_cache.stop()
             await self._apply(new)
-            return {"changed": changed, **report.to_json()}
-        if new.engine != self.settings.engine or new.served_model_name != self.settings.served_model_name:
+            return {**note, "changed": changed, "applied": _applied(changes, pending), **report.to_json()}
+        engine_changed = new.engine != self.settings.engine or new.served_model_name != self.settings.served_model_name
+        if engine_changed or self.engine_overrides:  # the file's engine settings, overrides or not
             report = await self.reconciler.restart(new.engine_config(self.model, self.cache.socket), strategy,
                                                    "reload")  # fmt: skip
-            if report.ok:
-                await self._apply(new)
-            return {"changed": "engine", **report.to_json()}
+            if not report.ok:
+                return {**note, "changed": "engine", **report.to_json()}
+            await self._apply(new)
+            return {**note, "changed": "engine", "applied": _applied(changes, pending), **report.to_json()}
         await self._apply(new)
-        return {"changed": None, "ok": True}
+        return {**note, "changed": None, "applied": _applied(changes, pending), "ok": True}
 
     async def _apply(self, new: Settings) -> None:
-        """The new settings, now; those a running gateway cannot change (its address, admin token, run dir, relay
-        count and fork server) at the next start."""
+        """The new settings, now; those a running gateway cannot change (AT_NEXT_START) at the next start."""
         old = self.settings
         kept = {"host": old.gateway.host, "port": old.gateway.port, "admin_token": old.gateway.admin_token,
                 "workers": old.gateway.workers}  # fmt: skip
         restart = new.restart.model_copy(update={"fork_server": old.restart.fork_server})
         self.settings = new.model_copy(update={"gateway": new.gateway.model_copy(update=kept), "run_dir": old.run_dir,
                                                "restart": restart})  # fmt: skip
+        self.engine_overrides = {}  # the file's engine settings are the engines' now
         self.reconciler.configure(self.settings.restart)
         await self.publish()  # the relays' limits and API keys
 
@@ -263,3 +283,23 @@ class Supervisor:
 def _problems(exc: ValidationError) -> str:
     """One line naming each invalid field, its problem and the value given."""
     return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']} (given: {e['input']!r:.80})" for e in exc.errors())
+
+
+def _changed(old: Settings, new: Settings) -> list[str]:
+    """The settings that differ, as dotted names (``engine.max_num_seqs``), none of their values."""
+    before, after = _flat(old.model_dump(mode="json")), _flat(new.model_dump(mode="json"))
+    return sorted(key for key in before.keys() | after.keys() if before.get(key) != after.get(key))
+
+
+def _applied(changes: list[str], pending: list[str]) -> list[str]:
+    return [key for key in changes if key not in pending]
+
+
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
