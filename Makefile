@@ -56,7 +56,7 @@ test:
 	$(MAKE) -j2 setup setup-vllm
 	$(MAKE) lint
 	for scheme in bf16 fp8-block fp8-channel fp8-tensor; do $(BIN)/warmgate model demo --quiet --scheme $$scheme >/dev/null || exit 1; done
-	$(VLLM_BIN)/pytest -q -m vllm --durations=5 -p no:cacheprovider > .vllm-tests.log 2>&1 & vllm=$$!; \
+	WARMGATE_REQUIRE_VLLM=1 $(VLLM_BIN)/pytest -q -m vllm --durations=5 -p no:cacheprovider > .vllm-tests.log 2>&1 & vllm=$$!; \
 	$(BIN)/pytest -q -m "not vllm" -n 3 --dist loadgroup --durations=15; main=$$?; \
 	wait $$vllm; vllm_status=$$?; echo "--- vLLM tests (.venv-vllm)"; cat .vllm-tests.log; \
 	test $$main -eq 0 && test $$vllm_status -eq 0

@@ -45,7 +45,8 @@ RECOVERED_WHEN = {
     "SIGSTOP of the active engine": "the hung engine was killed and the standby promoted",
     "SIGSTOP of the supervisor for 15 s": "SIGCONT (the column is the stop's length; nothing needed recovering)",
     "kill -9 of a relay": "a new relay process served under the same index",
-    "an engine that cannot start (KV cache too large)": "the admin restart answered (failed; old engine serving)",
+    "an engine that cannot start (no room for one sequence)": "the admin restart answered (failed; old engine "
+                                                              "serving)",
     "a reload during a restart, and two restarts at once": "all three admin calls answered, each ok",
     "kill -9 of the cache process": "a new cache process served and the engines had moved to it",
     "kill -9 of the supervisor, then `warmgate serve` again": "the new gateway's /ready answered 200",
@@ -91,8 +92,8 @@ supervisor is stopped (longer than `health_timeout`) requests start and finish o
 and once it runs again it kills no engine (same pids, no `engine_hung`, no crash restart); a relay killed
 with kill -9 loses only the requests in flight on its connections, is replaced under its index, and 20
 fresh requests all succeed; the
-failed start (HTTP 422 with its report) names the allocation that failed and leaves the active engine in
-place; after the cache process is killed `/ready` answers 200 throughout (polled every 0.2 s), the new
+failed start (HTTP 422 with its report) names the engine's own error in one line and leaves the active
+engine in place; after the cache process is killed `/ready` answers 200 throughout (polled every 0.2 s), the new
 cache has the same key, the dead cache's socket is gone from the run dir, the engines that replace the old
 ones attach it (`weight_source = ipc`) and both hold leases on it; after the supervisor is killed its
 relays, engines and fork server stop by themselves, its cache process stays, the next `warmgate serve` on the run

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from fault.load import send
 from processes import Gateway, proc_status, start_gateway, wait_for
 
 HEALTH_TIMEOUT = 4.0
@@ -91,17 +92,13 @@ def test_twenty_restarts_under_load_fail_no_request_and_leave_nothing_behind(gat
     stop = threading.Event()
 
     def client(stream: bool) -> None:
+        # Checked as the fault suite checks (tests/fault/load.py): a stream needs its usage, every token and [DONE].
         with httpx.Client(base_url=gateway.url, timeout=120) as http:
             while not stop.is_set():
-                body = {"model": "demo", "prompt": "Count: one, two,", "max_tokens": 6, "temperature": 0,
-                        "stream": stream}  # fmt: skip
-                try:
-                    response = http.post("/v1/completions", json=body)
-                    if response.status_code != 200 or ("error" in response.text and stream):
-                        failures.append(f"{response.status_code} {response.text[:200]}")
-                    done[stream] += 1
-                except httpx.HTTPError as exc:
-                    failures.append(repr(exc))
+                outcome = send(http, stream, max_tokens=6)
+                if not outcome.ok:
+                    failures.append(outcome.error or "?")
+                done[stream] += 1
 
     threads = [threading.Thread(target=client, args=(i % 2 == 0,)) for i in range(4)]
     for t in threads:

@@ -2,13 +2,16 @@
 
 The four-path check with vLLM engines (disk, ipc-or-disk with no cache, ipc, a second ipc engine while
 the first runs) on the demo in bf16 and fp8-channel, the fp8-block demo refused with the missing kernel
-named, and `warmgate serve` with ``engine.backend = "vllm"`` restarting under load.
+named, and `warmgate serve` with ``engine.backend = "vllm"`` restarting under load (admin restarts, then a kill -9 of
+the active engine: its requests resumed on the replacement).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -16,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from openai import OpenAI
 from processes import (
@@ -31,10 +35,15 @@ from processes import (
     proc_status,
     start_gateway,
     wait_cache,
+    wait_for,
 )
 
 from cache.client import CacheClient
 
+# `make test` runs these in .venv-vllm with WARMGATE_REQUIRE_VLLM=1: there a missing vLLM fails the run instead of
+# passing it with every test skipped. Elsewhere (a plain `pytest -m vllm` in the main venv) they are skipped.
+if os.environ.get("WARMGATE_REQUIRE_VLLM") == "1" and importlib.util.find_spec("vllm") is None:
+    raise RuntimeError("WARMGATE_REQUIRE_VLLM=1 but vLLM is not installed in this venv")
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (make test runs "
@@ -140,6 +149,16 @@ def _load(url: str, stop: threading.Event, results: dict[str, Any]) -> None:
             results["failed"].append(f"{type(exc).__name__}: {exc}")
 
 
+def _running(gw: Any) -> int:
+    """Requests the active engine is generating for (its /health), 0 when none is active."""
+    status = gw.status()
+    socket = next((e["socket"] for e in status["engines"] if e["id"] == status["active"]), None)
+    if socket is None:
+        return 0
+    with httpx.Client(transport=httpx.HTTPTransport(uds=socket), base_url="http://engine", timeout=10) as engine:
+        return int(engine.get("/health").json()["running"])
+
+
 def test_serve_with_the_vllm_backend_restarts_under_load(demo_path, tmp_path: Path) -> None:
     config = (f'model = "{demo_path("bf16")}"\nserved_model_name = "demo"\n\n'
               '[engine]\nbackend = "vllm"\nweights = "ipc"\nmax_num_seqs = 4\nmax_model_len = 512\n'
@@ -167,6 +186,20 @@ def test_serve_with_the_vllm_backend_restarts_under_load(demo_path, tmp_path: Pa
                 deadline = time.monotonic() + 120
                 while results["ok"] == ok_before and time.monotonic() < deadline:  # served by the new engine
                     time.sleep(0.2)
+            # kill -9 of the active engine under the same load: its requests are resumed on the replacement (standby
+            # = 0: a new vLLM engine starts meanwhile, the relays hold new requests), none fails.
+            victim = gw.active_pid()
+            assert victim is not None
+            wait_for(lambda: _running(gw) > 0, 120, "requests running on the active engine")
+            os.kill(victim, signal.SIGKILL)
+            crash = wait_for(lambda: next((r for r in gw.status()["restarts"] if r["reason"] == "crash"), None), 300,
+                             "the crash of the killed engine recovered (a crash report)")  # fmt: skip
+            assert crash["ok"] and crash["weight_source"] == "ipc", crash
+            assert victim not in [e["pid"] for e in gw.status()["engines"]]
+            ok_at_recovery = results["ok"]
+            wait_for(lambda: results["ok"] > ok_at_recovery, 120, "requests served by the engine that replaced it")
+            resumes = re.search(r"^warmgate:request_resumes_total (\S+)$", httpx.get(f"{gw.url}/metrics").text, re.M)
+            assert resumes and float(resumes.group(1)) >= 1, ("no request was resumed after the kill", results)
         finally:
             stop.set()
             for thread in clients:
