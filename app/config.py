@@ -33,45 +33,90 @@ class _Section(BaseModel):
 
 
 class GatewaySettings(_Section):
-    host: str = "127.0.0.1"
-    port: Annotated[int, Field(ge=0, le=65535)] = 8000
-    api_keys: list[str] = []  # empty: no key needed
-    admin_token: str | None = None  # none: generated at start into the run dir (mode 0600)
-    max_body_bytes: Annotated[int, Field(ge=1024)] = 8 * 2**20  # a larger request body gets 413
-    workers: Annotated[int | None, Field(ge=1, le=64)] = None  # relay processes; none: cores / 8, from 2 to 8
-    # Requests the relays forward to an engine beyond its max_num_seqs (the rest wait in the relays);
-    # none: a quarter of max_num_seqs, at least 4.
-    engine_backlog: Annotated[int | None, Field(ge=0)] = None
+    host: Annotated[str, Field(description="address to listen on (0.0.0.0: every interface)")] = "127.0.0.1"
+    port: Annotated[
+        int, Field(ge=0, le=65535, description="port to listen on; 0: any free port, recorded in RUN_DIR/address")
+    ] = 8000
+    api_keys: Annotated[list[str], Field(description="keys clients send as bearer tokens; empty: no key needed")] = []
+    admin_token: Annotated[
+        str | None,
+        Field(
+            description="bearer token of the admin API; none: WARMGATE_ADMIN_TOKEN, else one generated at start "
+            "into RUN_DIR/admin-token (mode 0600)"
+        ),
+    ] = None
+    max_body_bytes: Annotated[int, Field(ge=1024, description="a larger request body gets 413")] = 8 * 2**20
+    workers: Annotated[
+        int | None, Field(ge=1, le=64, description="relay processes; none: an eighth of the cores, from 2 to 8")
+    ] = None
+    engine_backlog: Annotated[
+        int | None,
+        Field(
+            ge=0,
+            description="requests the relays forward to an engine beyond its max_num_seqs (the rest wait in the "
+            "relays); none: a quarter of max_num_seqs, at least 4",
+        ),
+    ] = None
 
     def relay_count(self) -> int:
-        """Relays cost more CPU per token the more of them share a load (each wakes up for fewer events: 27.8, 32.6
-        and 34.2 us per token for 1, 2 and 4 relays at 128 streams, docs/benchmarks.md), and one relay carries some
-        35,000 tokens/s per core, several engines' worth: a few suffice. Two at least, so that one can die."""
+        """Relays cost more CPU per token the more of them share a load (each wakes up for fewer events: 32.8, 36.0
+        and 39.6 us per token for 1, 2 and 4 relays at 128 stub streams on CPU; 20.9 against 34.6 us for 2 and 8
+        relays on the H200: docs/benchmarks.md), and one relay carries tens of thousands of tokens per second per
+        core, several engines' worth: a few suffice. Two at least, so that one can die."""
         return self.workers or min(8, max(2, (os.cpu_count() or 2) // 8))
 
 
 class RestartSettings(_Section):
-    strategy: Literal["overlap", "replace"] = "overlap"
-    start_timeout: Annotated[float, Field(gt=0)] = 300.0  # seconds for a new engine to answer its probe
-    drain_timeout: Annotated[float, Field(ge=0)] = 30.0  # seconds an old engine may finish in-flight requests
-    queue_timeout: Annotated[float, Field(gt=0)] = 60.0  # seconds a request waits for an engine slot before 503
-    max_queue: Annotated[int, Field(ge=1)] = 1024  # requests waiting in one relay for an engine slot before 503
-    crash_backoff: Annotated[float, Field(gt=0)] = 0.5  # first wait before restarting a crashed engine; doubles
-    crash_backoff_max: Annotated[float, Field(gt=0)] = 30.0
-    request_resumes: Annotated[int, Field(ge=0)] = 3  # moves of one request to another engine after its failed
-    fork_server: bool = True  # fork engines from a process that has imported torch (else spawn each one)
-    standby: Annotated[int, Field(ge=0, le=8)] = 1  # fully started engines kept for the next restart or crash
-    health_interval: Annotated[float, Field(gt=0)] = 1.0  # seconds between /health polls of each engine
-    health_timeout: Annotated[float, Field(gt=0)] = 10.0  # an engine silent this long is killed and replaced
+    strategy: Annotated[
+        Literal["overlap", "replace"],
+        Field(description="overlap: start the new engine, switch, then drain the old one; replace: drain first"),
+    ] = "overlap"
+    start_timeout: Annotated[
+        float, Field(gt=0, description="seconds a new engine gets to answer /health, and again to answer its probe")
+    ] = 300.0
+    drain_timeout: Annotated[
+        float, Field(ge=0, description="seconds an old engine (or, at shutdown, a relay) may finish in-flight requests")
+    ] = 30.0
+    queue_timeout: Annotated[
+        float, Field(gt=0, description="seconds a request waits for an engine slot before 503")
+    ] = 60.0
+    max_queue: Annotated[
+        int, Field(ge=1, description="requests waiting in one relay for an engine slot before 503")
+    ] = 1024
+    crash_backoff: Annotated[
+        float, Field(gt=0, description="first wait (seconds) before restarting a crashed engine; doubles")
+    ] = 0.5
+    crash_backoff_max: Annotated[float, Field(gt=0, description="longest wait (seconds) of that backoff")] = 30.0
+    request_resumes: Annotated[
+        int, Field(ge=0, description="moves of one request to another engine after its engine failed")
+    ] = 3
+    fork_server: Annotated[
+        bool, Field(description="fork engines from a process that has imported torch (else spawn each one)")
+    ] = True
+    standby: Annotated[
+        int, Field(ge=0, le=8, description="fully started engines kept for the next restart or crash")
+    ] = 1
+    health_interval: Annotated[float, Field(gt=0, description="seconds between reads of each engine's heartbeat")] = 1.0
+    health_timeout: Annotated[
+        float, Field(gt=0, description="seconds of heartbeat silence after which an engine is killed and replaced")
+    ] = 10.0
 
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="WARMGATE_", env_nested_delimiter="__", extra="forbid")
 
-    model: Path | None = None  # none: the demo checkpoint (fp8-block)
-    served_model_name: str | None = None
-    run_dir: Path = Path("/tmp/warmgate")  # sockets, logs, admin token; 0700
-    cache_device: str | None = None  # where the cache keeps weights; default: the engines' device
+    model: Annotated[
+        Path | None, Field(description="checkpoint directory; none: the fp8-block demo checkpoint, built on first use")
+    ] = None
+    served_model_name: Annotated[
+        str | None, Field(description="the model's name in the API; none: the checkpoint directory's name")
+    ] = None
+    run_dir: Annotated[
+        Path, Field(description="sockets, logs, admin token, address (mode 0700); one gateway at a time")
+    ] = Path("/tmp/warmgate")
+    cache_device: Annotated[
+        str | None, Field(description="where the cache keeps the weights; none: the engines' device")
+    ] = None
     gateway: GatewaySettings = GatewaySettings()
     engine: EngineSettings = EngineSettings()
     restart: RestartSettings = RestartSettings()

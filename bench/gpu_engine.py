@@ -143,25 +143,29 @@ def triton_sweep() -> None:
 
 
 def profile_decode(ckpt: Path) -> None:
-    """Where a decode step's GPU time goes (eager, so kernels are visible), at batch 1 and 64."""
+    """Where a decode step's GPU time goes (eager, so kernels are visible), at batch 1 and 64: the engine's own
+    step, as bench/gpu_step_profile.py profiles it (sequences admitted and prefilled, then one decode step of all of
+    them under the profiler; the step's argmax and sampling included)."""
     from torch.profiler import ProfilerActivity, profile
 
+    from bench.gpu_step_profile import clear, fill
     from engine.config import EngineConfig
     from engine.native.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model=ckpt, device="cuda", max_num_seqs=64, max_model_len=1024,
                                     cuda_graphs=False))  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
     out = {}
     for b in (1, 64):
-        tokens = torch.randint(100, 30000, (b,), device="cuda")
-        positions = torch.full((b,), 200, device="cuda")
+        fill(engine, b, gen, length=200)  # every sequence decoding, at about position 200
         with torch.inference_mode():
             for _ in range(3):
-                engine.model.logits(engine.model.decode(tokens, positions, engine.kv, 256))
+                engine._step()
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                engine.model.logits(engine.model.decode(tokens, positions, engine.kv, 256))
+                engine._step()
                 torch.cuda.synchronize()
+        clear(engine)
         events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
         total = sum(e.device_time_total for e in events)
         out[str(b)] = {"gpu_us_total": total, "kernels": len(events),
@@ -201,17 +205,20 @@ def host_profile(ckpt: Path) -> None:
 
 
 def engine_variants(ckpt: Path, new_tokens: int) -> None:
-    """Decode with cuBLAS scaled_mm for 2 <= M <= 64 instead of the Triton kernel."""
+    """Decode with cuBLAS' blockwise scaled_mm for every M > 1, instead of the Triton kernel up to SMALL_M rows."""
     import engine.native.kernels as kernels
 
+    small_m = kernels.SMALL_M
     kernels.SMALL_M = 1
     saved = dict(RESULTS)
-    engine_bench(ckpt, [1, 16, 64], new_tokens)
+    try:
+        engine_bench(ckpt, [1, 16, 64], new_tokens)
+    finally:
+        kernels.SMALL_M = small_m
     RESULTS["engine_decode_cublas_small_m"] = RESULTS["engine_decode"]
     for key in ("engine_decode", "engine_prefill", "engine_startup", "hbm_floor"):
         if key in saved:
             RESULTS[key] = saved[key]
-    kernels.SMALL_M = 64
 
 
 def engine_bench(ckpt: Path, batches: list[int], new_tokens: int) -> None:

@@ -15,18 +15,46 @@ from pydantic import BaseModel, ConfigDict, Field
 class EngineSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    # native: warmgate's own engine; vllm: vLLM's engine on the same cache (pip install 'warmgate[vllm]').
-    backend: Literal["native", "vllm"] = "native"
-    # auto: CUDA when torch sees a GPU, else the CPU (common/device.py); or cpu, cuda, cuda:1
-    device: Annotated[str, Field(pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")] = "auto"
-    # auto: native fp32 on CPU and bf16 on CUDA; vllm bf16 everywhere (its CPU kernels are bf16 kernels)
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    max_num_seqs: Annotated[int, Field(ge=1)] = 16
-    max_model_len: Annotated[int | None, Field(ge=16)] = None  # default: min(model's context, 4096)
-    kv_cache_bytes: Annotated[int | None, Field(ge=1)] = None  # cap on KV memory; fewer sequences fit if it binds
-    max_num_batched_tokens: Annotated[int, Field(ge=16)] = 2048  # tokens per scheduler step (chunks + decode)
-    block_size: Annotated[int, Field(ge=1, le=256)] = 16  # KV cache positions per block
-    cuda_graphs: bool = True
-    default_max_tokens: Annotated[int, Field(ge=1)] = 256
-    # ipc: the cache's weights or fail; ipc-or-disk: the cache's when there is one, else the checkpoint; disk.
-    weights: Literal["ipc", "ipc-or-disk", "disk"] = "ipc-or-disk"
+    backend: Annotated[
+        Literal["native", "vllm"],
+        Field(
+            description="native: warmgate's own engine; vllm: vLLM's engine on the same cache "
+            "(pip install 'warmgate[vllm]')"
+        ),
+    ] = "native"
+    device: Annotated[
+        str,
+        Field(
+            pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$",
+            description="auto: CUDA when torch sees a GPU, else the CPU (common/device.py); or cpu, cuda, cuda:1",
+        ),
+    ] = "auto"
+    dtype: Annotated[
+        Literal["auto", "float32", "bfloat16", "float16"],
+        Field(
+            description="compute dtype; auto: native fp32 on CPU and bf16 on CUDA, vllm bf16 everywhere (its CPU "
+            "kernels are bf16 kernels)"
+        ),
+    ] = "auto"
+    max_num_seqs: Annotated[int, Field(ge=1, description="sequences an engine runs at once")] = 16
+    max_model_len: Annotated[
+        int | None, Field(ge=16, description="longest sequence (prompt + output); none: min(model's context, 4096)")
+    ] = None
+    kv_cache_bytes: Annotated[
+        int | None, Field(ge=1, description="cap on KV cache memory; fewer sequences fit if it binds")
+    ] = None
+    max_num_batched_tokens: Annotated[
+        int, Field(ge=16, description="tokens per scheduler step (prompt chunks + decode tokens)")
+    ] = 2048
+    block_size: Annotated[int, Field(ge=1, le=256, description="KV cache positions per block")] = 16
+    cuda_graphs: Annotated[bool, Field(description="capture CUDA graphs at start-up (CUDA only)")] = True
+    default_max_tokens: Annotated[
+        int, Field(ge=1, description="max_tokens of a request that sets none (less if the context is shorter)")
+    ] = 256
+    weights: Annotated[
+        Literal["ipc", "ipc-or-disk", "disk"],
+        Field(
+            description="ipc: the cache's weights or fail; ipc-or-disk: the cache's when there is one, else the "
+            "checkpoint; disk: the checkpoint"
+        ),
+    ] = "ipc-or-disk"
