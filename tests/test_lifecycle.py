@@ -131,6 +131,8 @@ def _stopped_cleanly(gw: Gateway, sent: float) -> None:
 def test_a_second_gateway_on_a_run_dir_in_use_is_refused_and_the_first_serves_on(gateway: Gateway,
                                                                                   tmp_path: Path) -> None:  # fmt: skip
     token = gateway.token()
+    # Its metrics count clients only: no request of its own (start-up's probes) shows as one.
+    assert "warmgate:requests_total{" not in httpx.get(f"{gateway.url}/metrics", timeout=30).text
     started = time.monotonic()
     cmd = [sys.executable, "-m", "app.cli", "serve", "--run-dir", str(gateway.run_dir), "--port", "0"]
     second = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
@@ -184,3 +186,16 @@ def test_ctrl_c_during_start_up_leaves_nothing(tmp_path: Path) -> None:
     wait_for(lambda: _processes_of(run_dir) and len(_processes_of(run_dir)) > 1, 60, "start-up under way")
     assert "event=ready" not in log.read_text()
     _stopped_cleanly(gw, _ctrl_c(gw))
+
+
+def test_engine_logs_are_kept_for_the_newest_engines_only(tmp_path: Path) -> None:
+    from app.supervisor.logs import remove_old_logs
+
+    for i in range(25):
+        log = tmp_path / f"engine-1-{i}.log"
+        log.write_text("x")
+        os.utime(log, (1_000_000 + i, 1_000_000 + i))
+    (tmp_path / "cache.log").write_text("kept: not an engine's")
+    remove_old_logs(tmp_path, "engine-*.log", 20)
+    assert sorted(p.name for p in tmp_path.glob("engine-*.log")) == sorted(f"engine-1-{i}.log" for i in range(5, 25))
+    assert (tmp_path / "cache.log").exists()

@@ -363,6 +363,7 @@ def test_kill_9_of_the_supervisor_keeps_the_model_resident(suite: Suite) -> None
     old = suite.gateway
     cache = old.status()["cache"]
     engines = [e["pid"] for e in old.status()["engines"]]
+    old_sockets = [e["socket"] for e in old.status()["engines"]]
     relays = [r["pid"] for r in old.status().get("relays", [])]  # the split gateway's data plane
     loads = _cache_loads(suite.root)
     injected = time.monotonic()
@@ -382,6 +383,10 @@ def test_kill_9_of_the_supervisor_keeps_the_model_resident(suite: Suite) -> None
     recovered = time.monotonic()
     status = suite.gateway.status()
     assert status["cache"]["pid"] == cache["pid"], "the running cache was not adopted"
+    # Its engines are of a new generation: no name of theirs can be an earlier gateway's (engine-GEN-ID).
+    old_names = {Path(s).stem.rsplit("-", 1)[0] for s in old_sockets}
+    new_names = {Path(e["socket"]).stem.rsplit("-", 1)[0] for e in status["engines"]}
+    assert old_names.isdisjoint(new_names), (old_names, new_names)
     assert _cache_loads(suite.root) == loads, "the checkpoint was read again"
     assert "event=cache_adopted" in log_path.read_text()
     assert status["restarts"][-1]["weight_source"] == "ipc"
