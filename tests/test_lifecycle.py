@@ -141,6 +141,14 @@ def test_a_second_gateway_on_a_run_dir_in_use_is_refused_and_the_first_serves_on
     assert gateway.token() == token  # the first gateway's token, sockets and engines are untouched
     assert httpx.get(f"{gateway.url}/ready", timeout=30).status_code == 200
     assert json.loads((gateway.run_dir / "address").read_text())["pid"] == gateway.proc.pid
+    # `ps` says what each process is: its title (common/proctitle.py) names its part and the run dir.
+    titles = {line.split(": ", 1)[1].split(" /")[0] for line in _processes_of(gateway.run_dir)}
+    active = gateway.status()["active"]
+    assert {"warmgate: supervisor", "warmgate: relay 0", "warmgate: relay 1", "warmgate: fork server"} <= titles, titles
+    assert any(t.startswith("warmgate: cache ") for t in titles), titles
+    wait_for(lambda: any(t.startswith("warmgate: engine ") and t.endswith(f"-{active} active")
+                         for t in {line.split(": ", 1)[1].split(" /")[0] for line in _processes_of(gateway.run_dir)}),
+             5, "the active engine titled so")  # fmt: skip
     # And Ctrl-C when it is idle stops it, and everything it started.
     _stopped_cleanly(gateway, _ctrl_c(gateway))
 
