@@ -157,7 +157,11 @@ def test_the_image_command_serves_the_demo_to_the_openai_client(image_gateway: I
     assert "Paris" in (chat.choices[0].message.content or "")
     # The image's HEALTHCHECK, run the way Docker runs it (a shell, the container's environment).
     check = _dockerfile(REPO / "Dockerfile")["HEALTHCHECK"].split(" CMD ", 1)[1]
-    env = {**image_gateway.env, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    # The gateway took any free port here (--port 0, so parallel tests never race for one); the image's fixed port
+    # is the one its healthcheck reads from the environment: give it the one taken.
+    port = image_gateway.url.rsplit(":", 1)[1]
+    env = {**image_gateway.env, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "WARMGATE_GATEWAY__PORT": port}  # fmt: skip
     assert subprocess.run(["sh", "-c", check], env=env, timeout=60).returncode == 0
     assert image_gateway.run_dir.stat().st_mode & 0o777 == 0o700  # made private inside the 0777 volume
 
