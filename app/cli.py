@@ -253,19 +253,20 @@ def _print_check(path: Path) -> None:
     print("\n".join(read_checkpoint(path).summary()))
 
 
-def _expected_errors() -> tuple[type[BaseException], ...]:
-    """Errors that are the user's to fix: shown as one line, no traceback."""
-    from app.supervisor.cache import CacheStartError
-    from app.supervisor.run_dir import RunDirInUse
-    from app.supervisor.serve import GatewayStartError
-    from cache.checkpoint.demo import DemoSourceError
-    from cache.client import CacheRefused, CacheUnavailable
-    from cache.errors import CheckpointError
-    from engine.weights import WeightKeyMismatch
+_USER_ERRORS = (("app.supervisor.cache", "CacheStartError"), ("app.supervisor.run_dir", "RunDirInUse"),
+                ("app.supervisor.serve", "GatewayStartError"), ("cache.checkpoint.demo", "DemoSourceError"),
+                ("cache.client", "CacheRefused"), ("cache.client", "CacheUnavailable"),
+                ("cache.errors", "CheckpointError"), ("engine.weights", "WeightKeyMismatch"))  # fmt: skip
 
-    return (CheckpointError, DemoSourceError, CacheUnavailable, CacheRefused, WeightKeyMismatch, FileExistsError,
-            FileNotFoundError, NotADirectoryError, PermissionError, ConnectionError, ValueError,
-            RestartFailed, RunDirInUse, CacheStartError, GatewayStartError)  # fmt: skip
+
+def _expected_errors() -> tuple[type[BaseException], ...]:
+    """Errors that are the user's to fix: shown as one line, no traceback.
+
+    Only modules already imported are looked in (an error's class was imported to be raised): a refusal at
+    start must not import torch on its way out."""
+    ours = tuple(getattr(sys.modules[module], name) for module, name in _USER_ERRORS if module in sys.modules)
+    return (*ours, FileExistsError, FileNotFoundError, NotADirectoryError, PermissionError, ConnectionError,
+            ValueError, RestartFailed)  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
