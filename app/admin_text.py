@@ -98,8 +98,10 @@ def _gateway_line(status: dict[str, Any]) -> str:
     """The supervisor's pid and the relays' (a relay not connected to the supervisor is marked)."""
     relays = status.get("relays", [])
     pids = ", ".join(f"{r.get('pid')}" + ("" if r.get("connected", True) else " (not connected)") for r in relays)
-    supervisor = (status.get("supervisor") or {}).get("pid", MISSING)
-    return f"supervisor pid {supervisor}  {len(relays)} relays" + (f" (pids {pids})" if relays else "")
+    supervisor = status.get("supervisor") or {}
+    serve = f"serve pid {supervisor['serve_pid']}  " if "serve_pid" in supervisor else ""
+    return f"{serve}supervisor pid {supervisor.get('pid', MISSING)}  {len(relays)} relays" + \
+        (f" (pids {pids})" if relays else "")  # fmt: skip
 
 
 def _cache_line(cache: dict[str, Any]) -> str:

@@ -83,6 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
                        f"gateway at a time (default: {default_run_dir})")  # fmt: skip
     serve.set_defaults(run=_serve)
 
+    # The control plane, started (and restarted) by `warmgate serve`: not a command for people.
+    supervisor = commands.add_parser("supervisor", help=argparse.SUPPRESS, parents=[serve], add_help=False,
+                                     conflict_handler="resolve")  # fmt: skip
+    supervisor.add_argument("--listen-fd", type=int, required=True, help="the listening socket, from warmgate serve")
+    supervisor.add_argument("--ready-fd", type=int, required=True, help="written to once the gateway serves")
+    supervisor.add_argument("--upgrade", action="store_true", help="replace the relays it adopts with new ones")
+    supervisor.set_defaults(run=_supervisor)
+
     for name, help_text in (("status", "show a running gateway's engines, cache and restarts"),
                             ("restart", "restart the engines of a running gateway (on the cached weights)"),
                             ("reload", "make a running gateway re-read its config file")):  # fmt: skip
@@ -96,6 +104,16 @@ def build_parser() -> argparse.ArgumentParser:
                                help="overlap: the new engine first, then drain the old; replace: drain first "
                                "(default: the config's restart.strategy)")  # fmt: skip
         admin.set_defaults(run=_admin, admin_command=name)
+
+    for name, help_text in (("stop", "stop a gateway and every process it runs (also one whose `warmgate serve` "
+                             "is gone)"),
+                            ("upgrade", "replace a running gateway's own processes with the installed code, without "
+                             "refusing a connection or failing a request (engines and cache serve on)")):  # fmt: skip
+        command = commands.add_parser(name, help=help_text)
+        command.add_argument("--run-dir", type=Path, help=f"the gateway's run dir (default: {default_run_dir}, or "
+                             "WARMGATE_RUN_DIR)")  # fmt: skip
+        command.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for it (default: 300)")
+        command.set_defaults(run=_stop if name == "stop" else _upgrade)
 
     engine = commands.add_parser("engine", help="run an engine worker serving the OpenAI API on a Unix socket")
     engine.add_argument("--socket", type=Path, required=True, help="Unix socket path to serve on (mode 0600)")
@@ -121,8 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     forks.add_argument("--backend", default="native", choices=("native", "vllm"),
                        help="also import this engine backend's modules before forking")  # fmt: skip
     forks.set_defaults(run=_fork_server)
-    # The commands people run (relay and fork-server are started by `warmgate serve` and hidden).
-    commands.metavar = "{" + ",".join(c for c in commands.choices if c not in ("relay", "fork-server")) + "}"
+    # The commands people run (relay, fork-server and supervisor are started by `warmgate serve` and hidden).
+    hidden = ("relay", "fork-server", "supervisor")
+    commands.metavar = "{" + ",".join(c for c in commands.choices if c not in hidden) + "}"
     return parser
 
 
@@ -161,11 +180,47 @@ def _check(args: argparse.Namespace) -> None:
     _print_check(args.path)
 
 
-def _serve(args: argparse.Namespace) -> None:
-    from app.supervisor.serve import main as run_gateway
+def _serve_options(args: argparse.Namespace) -> dict[str, object]:
+    return {"model": args.model, "run_dir": args.run_dir, "gateway.host": args.host, "gateway.port": args.port}
 
-    run_gateway(args.config, model=args.model, run_dir=args.run_dir, **{"gateway.host": args.host,
-                                                                       "gateway.port": args.port})  # fmt: skip
+
+def _serve(args: argparse.Namespace) -> None:
+    from app.supervisor.master import SupervisorExited
+    from app.supervisor.master import main as run_gateway
+
+    passed = [("--config", args.config), ("--model", args.model), ("--run-dir", args.run_dir), ("--host", args.host),
+              ("--port", args.port)]  # fmt: skip
+    argv = [str(part) for flag, value in passed if value is not None for part in (flag, value)]
+    try:
+        code = run_gateway(argv, args.config, **_serve_options(args))
+    except SupervisorExited as exc:  # it printed why, as one line
+        raise SystemExit(exc.code) from None
+    if code:
+        raise SystemExit(code)
+
+
+def _supervisor(args: argparse.Namespace) -> None:
+    from app.supervisor.serve import main as run_supervisor
+
+    run_supervisor(args.config, args.listen_fd, args.ready_fd, args.upgrade, **_serve_options(args))
+
+
+def _stop(args: argparse.Namespace) -> None:
+    from app.supervisor.lifecycle import stop_gateway
+
+    print(stop_gateway(_run_dir(args), args.timeout))
+
+
+def _upgrade(args: argparse.Namespace) -> None:
+    from app.supervisor.lifecycle import upgrade_gateway
+
+    print(upgrade_gateway(_run_dir(args), args.timeout))
+
+
+def _run_dir(args: argparse.Namespace) -> Path:
+    from app.config import load_settings
+
+    return args.run_dir.expanduser().resolve() if args.run_dir else load_settings(None).run_dir
 
 
 def _admin(args: argparse.Namespace) -> None:
@@ -266,7 +321,7 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
     start must not import torch on its way out."""
     ours = tuple(getattr(sys.modules[module], name) for module, name in _USER_ERRORS if module in sys.modules)
     return (*ours, FileExistsError, FileNotFoundError, NotADirectoryError, PermissionError, ConnectionError,
-            ValueError, RestartFailed)  # fmt: skip
+            ValueError, TimeoutError, RestartFailed)  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:

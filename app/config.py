@@ -17,7 +17,7 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
 from common.settings import EngineSettings
@@ -47,7 +47,7 @@ class GatewaySettings(_Section):
     ] = None
     max_body_bytes: Annotated[int, Field(ge=1024, description="a larger request body gets 413")] = 8 * 2**20
     workers: Annotated[
-        int | None, Field(ge=1, le=64, description="relay processes; none: an eighth of the cores, from 2 to 8")
+        int | None, Field(ge=1, le=32, description="relay processes; none: an eighth of the cores, from 2 to 8")
     ] = None
     engine_backlog: Annotated[
         int | None,
@@ -120,6 +120,13 @@ class Settings(BaseSettings):
     gateway: GatewaySettings = GatewaySettings()
     engine: EngineSettings = EngineSettings()
     restart: RestartSettings = RestartSettings()
+
+    @field_validator("run_dir")
+    @classmethod
+    def _absolute(cls, run_dir: Path) -> Path:
+        """Absolute, symbolic links resolved: the processes of a gateway name its run dir in their titles, which
+        is how `warmgate stop` finds them (common/processes.py), whatever directory it is run from."""
+        return run_dir.expanduser().resolve()
 
     @classmethod
     def settings_customise_sources(

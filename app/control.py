@@ -9,7 +9,8 @@ common/framing.py (length-prefixed JSON). Each relay holds one connection:
 The supervisor pushes the whole table whenever routing or relay settings change; a relay acknowledges
 each generation (the supervisor waits for those acks before it drains an engine it switched away from, so
 no relay sends new requests to an engine that began draining). Relays never ask for the table: they keep
-serving with the last one they got, whatever the supervisor is doing.
+serving with the last one they got, whatever the supervisor is doing, and when the channel closes (the
+supervisor died) they connect again until a supervisor answers: a new one adopts them by their hello.
 """
 
 from __future__ import annotations
@@ -66,9 +67,13 @@ class AdminReply(_Message):
 
 
 class RelayHello(_Message):
+    """A relay's first message on every connection: a new supervisor adopts the relays that say hello."""
+
     kind: Literal["hello"] = "hello"
-    relay: int  # the relay's index (0 .. relays-1)
+    relay: int  # the relay's slot (its place on the admission board)
     pid: int
+    generation: int = -1  # the generation of the table it serves with (-1: none yet)
+    listener: int = 0  # the inode of the listening socket it accepts on (common/handoff.py identity)
 
 
 class TableApplied(_Message):

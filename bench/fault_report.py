@@ -49,7 +49,13 @@ RECOVERED_WHEN = {
                                                               "serving)",
     "a reload during a restart, and two restarts at once": "all three admin calls answered, each ok",
     "kill -9 of the cache process": "a new cache process served and the engines had moved to it",
-    "kill -9 of the supervisor, then `warmgate serve` again": "the new gateway's /ready answered 200",
+    "kill -9 of the supervisor (`warmgate serve` starts another, which adopts everything)":
+        "a new supervisor answered /admin/status with every relay connected and the same engines, cache, relays",
+    "`warmgate upgrade` (new serve code, supervisor, relays and fork server; engines and cache kept)":
+        "`warmgate upgrade` returned: new supervisor and relays serve, the old relays have exited",
+    "kill -9 of `warmgate serve`, then `warmgate serve` again": "the new supervisor answered with every relay "
+                                                                "connected and the same engines, cache, relays",
+    "kill -9 of a relay while no supervisor runs": "the next supervisor had started a new relay in its place",
 }
 
 
@@ -95,9 +101,14 @@ fresh requests all succeed; the
 failed start (HTTP 422 with its report) names the engine's own error in one line and leaves the active
 engine in place; after the cache process is killed `/ready` answers 200 throughout (polled every 0.2 s), the new
 cache has the same key, the dead cache's socket is gone from the run dir, the engines that replace the old
-ones attach it (`weight_source = ipc`) and both hold leases on it; after the supervisor is killed its
-relays, engines and fork server stop by themselves, its cache process stays, the next `warmgate serve` on the run
-dir adopts it (same pid, the cache log shows no second load) and its engine attaches from it.
+ones attach it (`weight_source = ipc`) and both hold leases on it. After a kill -9 of the supervisor, and
+after a kill -9 of `warmgate serve` followed by `warmgate serve` again, the relays, engines, fork server and
+cache run on and are adopted: the same pids before and after, the log says `engines_adopted` (and
+`listener_taken_over`: the new `warmgate serve` took the listening socket from a relay) and no engine is
+started, the cache log shows no second load; a `warmgate upgrade` keeps the pid of `warmgate serve` (it
+re-executes itself), the engines and the cache, and replaces the supervisor and every relay (the old relays
+have exited when it returns); `warmgate stop --run-dir` stops what a killed `warmgate serve` left
+(relays, engines, fork server, cache) and leaves no process or socket, and says so when nothing runs.
 
 What is not covered: a machine reboot (the cache lives in memory, and a reboot loses it), running out of
 memory while serving (the kernel's OOM killer picks a process; its recovery is that of a kill -9 of that

@@ -33,8 +33,6 @@ from typing import Any
 from cache.protocol import error_reply
 from common.events import configure_logging, log_event
 from common.framing import ProtocolError, recv_message, send_message
-from common.lifetime import INTERVAL as LIFETIME_INTERVAL
-from common.lifetime import SupervisorWatch
 from common.proctitle import set_title
 from common.uds import bind_unix_socket
 from engine.fork_protocol import ChildExit, SpawnReply, SpawnRequest
@@ -107,13 +105,9 @@ class _ForkServer:
         self.stopping = True
 
     def run(self) -> None:
-        # A gateway killed with SIGKILL leaves no fork server behind: checked between events (no thread here).
-        supervisor = SupervisorWatch()
+        # It outlives a supervisor that dies (the next one adopts it, app/supervisor/forks.py); SIGTERM stops it.
         while not self.stopping:
-            if supervisor.gone():
-                log_event(log, "supervisor_gone", supervisor=supervisor.pid)
-                return
-            for key, _ in self.selector.select(timeout=LIFETIME_INTERVAL):
+            for key, _ in self.selector.select():
                 if key.data == "accept":
                     self._accept()
                 elif key.data == "signal":

@@ -162,10 +162,6 @@ def main(socket_path: str | Path, config_source: str, drain_timeout: float = DEF
 
     name = socket_path.stem.removeprefix("engine-")  # the supervisor names it engine-GENERATION-ID
     set_title(f"engine {name} starting {socket_path.parent}")
-    from common.lifetime import stop_with_supervisor
-
-    stop_with_supervisor()  # a gateway killed with SIGKILL leaves no engine behind
-
     from common.uds import bind_unix_socket
     from engine.config import EngineConfig
 

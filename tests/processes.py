@@ -215,11 +215,23 @@ class Gateway:
         return next((e["pid"] for e in status["engines"] if e["id"] == status["active"]), None)
 
     def stop(self) -> None:
-        """SIGTERM; the gateway must exit 0 and leave no socket behind, nor its address."""
+        """SIGTERM; the gateway must exit 0 and leave no process (relays, engines, fork server, cache: they outlive a
+        supervisor that dies, not one that stops) and no socket behind, nor its address."""
+        from common.processes import gateway_processes
+
         self.proc.send_signal(signal.SIGTERM)
         assert self.proc.wait(timeout=120) == 0, self.log_path.read_text()[-3000:]
+        assert not gateway_processes(self.run_dir), f"processes left behind: {gateway_processes(self.run_dir)}"
         assert not list(self.run_dir.glob("*.sock")), "sockets left behind"
         assert not (self.run_dir / "address").exists(), "the address of a stopped gateway left behind"
+
+    def kill(self) -> None:
+        """The end of a test that killed parts of the gateway: `warmgate stop` stops whatever still runs."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        cmd = [sys.executable, "-m", "app.cli", "stop", "--run-dir", str(self.run_dir)]
+        subprocess.run(cmd, cwd=REPO, capture_output=True, timeout=180)
 
 
 def start_gateway(root: Path, config_text: str, env: dict[str, str] | None = None) -> Gateway:
@@ -251,7 +263,7 @@ def wait_until_ready(gw: Gateway) -> Gateway:
         except (httpx.TransportError, FileNotFoundError):
             pass
         time.sleep(0.2)
-    gw.proc.kill()
+    gw.kill()
     pytest.fail(f"gateway not ready:\n{gw.log_path.read_text()}")
 
 

@@ -191,7 +191,10 @@ def test_ctrl_c_during_start_up_leaves_nothing(tmp_path: Path) -> None:
     proc, run_dir, log = _serve(tmp_path)
     gw = Gateway(proc, "", run_dir, None, log)
     # Once the cache process or the fork server runs (they start first), before the gateway is ready.
-    wait_for(lambda: _processes_of(run_dir) and len(_processes_of(run_dir)) > 1, 60, "start-up under way")
+    from common.processes import gateway_processes
+
+    started = lambda: {p.role for p in gateway_processes(run_dir)} & {"cache", "fork server"}  # noqa: E731
+    wait_for(started, 60, "start-up under way")
     assert "event=ready" not in log.read_text()
     _stopped_cleanly(gw, _ctrl_c(gw))
 

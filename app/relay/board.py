@@ -35,11 +35,19 @@ class AdmissionBoard:
         self.post(0, 0)  # a relay started again under this index holds nothing yet
 
     @staticmethod
-    def create(path: Path, relays: int) -> None:
-        """A board for ``relays`` relays (the supervisor makes it before it starts them), every slot empty."""
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    def size(slots: int) -> int:
+        """Bytes of a board of ``slots`` slots."""
+        return slots * _SLOT.size
+
+    @staticmethod
+    def create(path: Path, slots: int) -> None:
+        """A board of ``slots`` slots (the supervisor makes it before it starts relays), every slot empty. A
+        new file: relays of an earlier board keep theirs."""
+        temporary = path.with_suffix(".tmp")
+        fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            os.write(fd, bytes(relays * _SLOT.size))
+            os.write(fd, bytes(slots * _SLOT.size))
+            os.replace(temporary, path)
         finally:
             os.close(fd)
 

@@ -2,7 +2,8 @@
 
 The relay serves with the last table it got, whatever the supervisor is doing: a supervisor that is busy
 or stopped delays admin calls and table changes, never a client's request. When the channel closes (the
-supervisor exited), the relay stops: it stops accepting and lets its requests finish.
+supervisor died, or is being replaced) the relay serves on and connects again every RECONNECT_S: the next
+supervisor on the run dir adopts it by its hello. A relay stops only when it is told to (SIGTERM).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from common.events import log_event
 from common.framing import ProtocolError, read_message, write_message
 
 log = logging.getLogger("warmgate.relay.link")
+RECONNECT_S = 0.1  # between attempts to reach a supervisor, while none answers
 
 
 class SupervisorGone(ConnectionError):
@@ -28,11 +30,13 @@ class SupervisorGone(ConnectionError):
 
 
 class SupervisorLink:
-    def __init__(self, path: Path, index: int, on_table: Callable[[Table], None]) -> None:
+    def __init__(self, path: Path, index: int, on_table: Callable[[Table], None], listener: int = 0) -> None:
         self.path = path
         self.index = index
         self.on_table = on_table
-        self.lost = asyncio.Event()
+        self.listener = listener  # the inode of the socket it accepts on, for the hello
+        self.generation = -1  # of the last table applied
+        self.lost = asyncio.Event()  # set while no supervisor is connected
         self._writer: asyncio.StreamWriter | None = None
         self._reader: asyncio.StreamReader | None = None
         self._calls: dict[int, asyncio.Future[AdminReply]] = {}
@@ -41,15 +45,30 @@ class SupervisorLink:
     async def connect(self) -> Table:
         """Connect, say who we are, and wait for the first table."""
         self._reader, self._writer = await asyncio.open_unix_connection(str(self.path))
-        self._send(RelayHello(relay=self.index, pid=os.getpid()))
+        self._send(RelayHello(relay=self.index, pid=os.getpid(), generation=self.generation, listener=self.listener))
         first = await self._next()
         if not isinstance(first, Table):
             raise BadMessage("the supervisor's first message was not a table")
+        self.lost.clear()
         self._apply(first)
         return first
 
     async def run(self) -> None:
-        """Take the supervisor's messages until the channel closes."""
+        """Take the supervisor's messages; when the channel closes, connect again until one answers (until
+        cancelled)."""
+        while True:
+            await self._follow()
+            while True:
+                await asyncio.sleep(RECONNECT_S)
+                try:
+                    await self.connect()
+                except (OSError, ProtocolError, BadMessage, SupervisorGone, asyncio.IncompleteReadError):
+                    self.close()
+                    continue
+                log_event(log, "supervisor_found", relay=self.index, generation=self.generation)
+                break
+
+    async def _follow(self) -> None:
         try:
             while True:
                 message = await self._next()
@@ -63,6 +82,7 @@ class SupervisorLink:
             log_event(log, "supervisor_lost", relay=self.index, reason=f"{type(exc).__name__}: {exc}")
         finally:
             self.lost.set()
+            self.close()
             for call in self._calls.values():
                 if not call.done():
                     call.set_exception(SupervisorGone("the supervisor went away before it answered"))
@@ -91,6 +111,7 @@ class SupervisorLink:
 
     def _apply(self, table: Table) -> None:
         self.on_table(table)
+        self.generation = table.generation
         self._send(TableApplied(generation=table.generation))
 
     def _send(self, message: RelayHello | TableApplied | EngineFailure | AdminCall) -> None:

@@ -4,8 +4,10 @@ shares (opened once by the supervisor and inherited, as nginx's workers share th
     warmgate relay --control RUN_DIR/control.sock --listen-fd N --index I --board RUN_DIR/admission.board
                                                                                 (started by `warmgate serve`)
 
-It takes its engine table and settings from the supervisor (app/relay/link.py) before it accepts anything.
-SIGTERM (or the supervisor's end) stops accepting; requests in flight get up to ``drain_timeout`` seconds.
+It takes its engine table and settings from the supervisor (app/relay/link.py) before it accepts anything,
+and serves on with the last table when the supervisor dies (the next one adopts it). It offers its listening
+socket to a later `warmgate serve` on RUN_DIR/handoff-INDEX.sock (common/handoff.py). SIGTERM stops
+accepting; requests in flight get up to ``drain_timeout`` seconds.
 """
 
 from __future__ import annotations
@@ -61,12 +63,16 @@ async def _serve(control: Path, listen_fd: int, index: int, board: Path, drain_t
         admission.kick()
         pool.forget({e.socket for e in (new.active, *new.standbys, *new.draining) if e is not None})
 
-    link = SupervisorLink(control, index, on_table)
-    await link.connect()
-    relay = Relay(table, admission, pool, metrics, link.report_failure)
-    app = RelayApp(table, relay, link)
+    from common import handoff
+
     listener = socket.socket(fileno=listen_fd)
     listener.setblocking(False)
+    link = SupervisorLink(control, index, on_table, handoff.identity(listener))
+    await link.connect()
+    offering_path = control.parent / f"handoff-{index}.sock"
+    offering = handoff.offer(offering_path, listener)
+    relay = Relay(table, admission, pool, metrics, link.report_failure)
+    app = RelayApp(table, relay, link)
     config = uvicorn.Config(app, http="httptools", log_config=None, log_level="warning", access_log=False,
                             lifespan="off", timeout_graceful_shutdown=max(1, int(drain_timeout)),
                             timeout_keep_alive=30)  # fmt: skip
@@ -80,8 +86,7 @@ async def _serve(control: Path, listen_fd: int, index: int, board: Path, drain_t
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop, sig.name)
-    following = asyncio.create_task(link.run())
-    following.add_done_callback(lambda _: stop("the supervisor went away"))
+    following = asyncio.create_task(link.run())  # until the relay stops: a supervisor that dies is waited for
     # What start-up made lives as long as the relay: out of the collector's generations, full collections while
     # serving do not walk it again.
     gc.collect()
@@ -91,6 +96,8 @@ async def _serve(control: Path, listen_fd: int, index: int, board: Path, drain_t
     try:
         await server.serve(sockets=[listener])
     finally:
+        offering.close()
+        offering_path.unlink(missing_ok=True)
         following.cancel()
         link.close()
         pool.close()

@@ -5,6 +5,9 @@ uses of an asyncio subprocess (pid, returncode, wait, send_signal, kill): the ex
 from the fork server, which reaps its children, over the connection that asked for the worker.
 When the fork server is gone the manager spawns workers itself and has this handle start a new
 fork server in the background.
+
+The fork server outlives a supervisor that dies, as the engines it forked do: the next supervisor adopts it
+(``adopt``: the pid recorded in the run dir's state, still listening), watched through a pidfd.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 from app.supervisor.terminate import terminate
 from common.events import log_event
 from common.framing import ProtocolError, read_message, write_message
-from common.processes import pid_alive
+from common.processes import AdoptedProcess, pid_alive
 from engine.fork_protocol import ChildExit, SpawnReply, SpawnRequest
 
 log = logging.getLogger("warmgate.supervisor.forks")
@@ -78,7 +81,7 @@ class ForkServer:
         self.socket = socket
         self.log_path = log_path
         self.backend = backend  # whose modules the fork server imports before forking (vllm: ~10 s less per start)
-        self.process: asyncio.subprocess.Process | None = None
+        self.process: asyncio.subprocess.Process | AdoptedProcess | None = None
         self._starting: asyncio.Task[None] | None = None
 
     @property
@@ -100,6 +103,26 @@ class ForkServer:
                 raise ForkServerUnavailable(f"the fork server did not start; log: {self.log_path}")
             await asyncio.sleep(0.05)
         log_event(log, "fork_server_ready", pid=self.process.pid, seconds=time.perf_counter() - t)
+
+    def adopt(self, pid: int, started: int | None) -> bool:
+        """Take over an earlier supervisor's fork server (pid ``pid``, started at ``started``) if it still serves."""
+        try:
+            process = AdoptedProcess(pid, started)
+        except (ProcessLookupError, PermissionError):
+            return False
+        if not self._listening():
+            return False
+        self.process = process
+        log_event(log, "fork_server_adopted", pid=pid)
+        return True
+
+    @staticmethod
+    async def stop_earlier(pid: int, started: int | None) -> None:
+        """Stop an earlier supervisor's fork server (an upgrade: new engines are forked from the new code); the
+        engines it forked serve on (each in its own session)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            await terminate(AdoptedProcess(pid, started), 10)
+            log_event(log, "fork_server_replaced", pid=pid)
 
     def _listening(self) -> bool:
         if not self.socket.exists():

@@ -20,6 +20,10 @@ A restart request goes through these phases (``Phase``):
 A crash of the active engine leaves none active: the loop then carries out a restart of its own (reason
 "crash", standby first), with backoff after failures. A new engine that fails to start is stopped and
 reported; the old engine keeps serving (``overlap``), or the last good config comes back (``replace``).
+
+Engines outlive the supervisor. A new one ``adopt``s those an earlier one left active and standing by (the run
+dir's state.json, app/supervisor/state.py) before its loop starts: they keep their ids and serve on, untouched.
+After every event the loop hands ``on_change`` the engines, for that file.
 """
 
 from __future__ import annotations
@@ -157,13 +161,15 @@ class Restart:
 
 class Reconciler:
     def __init__(self, run_dir: Path, limits: RestartSettings, launcher: Launcher, metrics: SupervisorMetrics,
-                 on_routing: Callable[[Routing], Awaitable[None]], generation: int = 1) -> None:  # fmt: skip
+                 on_routing: Callable[[Routing], Awaitable[None]], generation: int = 1,
+                 on_change: Callable[[], None] | None = None) -> None:  # fmt: skip
         self.run_dir = run_dir
         self.generation = generation  # the gateway's (app/supervisor/run_dir.py): in engine file names
         self.limits = limits
         self.launcher = launcher
         self.metrics = metrics
         self.on_routing = on_routing  # publishes the routing; resolves once the relays have it
+        self.on_change = on_change  # after every event: the engines may have changed (the run dir's state)
         self.engines: dict[int, Engine] = {}
         self.desired: EngineConfig | None = None  # the config the last good restart switched to
         self.reports: deque[RestartReport] = deque(maxlen=20)
@@ -203,6 +209,20 @@ class Reconciler:
         if self._loop_task is None:
             self._loop_task = asyncio.create_task(self._loop())
 
+    def adopt(self, engines: list[tuple[Engine, EngineState]]) -> None:
+        """Take over engines an earlier supervisor left running, each in its state (ACTIVE or STANDBY), before the
+        loop starts: watched from now on, ids kept (the relays count requests by engine id), no restart. The
+        active one's config is the desired config."""
+        for engine, state in engines:
+            self.engines[engine.id] = engine
+            self._set(engine, EngineState.READY)
+            self._set(engine, state)
+            self._spawn(self._watch(engine))
+            if state is EngineState.ACTIVE:
+                self.desired = engine.config
+        self._ids = itertools.count(max((e.id for e, _ in engines), default=0) + 1)
+        self._routing_key = self.routing().key()  # the relays serve with this routing already
+
     async def restart(self, config: EngineConfig | None, strategy: str, reason: str) -> RestartReport:
         """Want an active engine started (or promoted) for this request with ``config`` (none: the current one)."""
         wanted = config or self.desired
@@ -223,7 +243,9 @@ class Reconciler:
         self._standby_backoff.configure(limits.crash_backoff, limits.crash_backoff_max)
         self.post(Wake())
 
-    async def close(self) -> None:
+    async def close(self, stop_engines: bool = True) -> None:
+        """Stop the loop and its tasks, and (``stop_engines``) every engine; without, they serve on for the next
+        supervisor to adopt."""
         self._closing = True
         if self._loop_task is not None:
             self._loop_task.cancel()
@@ -237,6 +259,8 @@ class Reconciler:
                 request.done.cancel()
         if self._restart is not None and self._restart.request.done is not None:
             self._restart.request.done.cancel()
+        if not stop_engines:
+            return
         grace = self.limits.drain_timeout + 10
         await asyncio.gather(*(self.launcher.stop(e, grace) for e in list(self.engines.values())),
                              return_exceptions=True)  # fmt: skip
@@ -265,6 +289,8 @@ class Reconciler:
                     self._fail(self._restart, "internal error in the reconciler (see the log)")
             self._publish()
             self.metrics.engine_states([e.state.value for e in self.engines.values()])
+            if self.on_change is not None:
+                self.on_change()
 
     def _apply(self, event: Event) -> None:
         r = self._restart

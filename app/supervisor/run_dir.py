@@ -1,5 +1,6 @@
-"""The run dir as one gateway owns it: a lock held for the supervisor's life, its address for the CLI, and a
-generation number that keeps the names of its engines apart from an earlier gateway's.
+"""The run dir as one gateway owns it: a lock held for the life of `warmgate serve` (app/supervisor/master.py), its
+address for the CLI, and a generation number (one per supervisor started) that keeps the names of its engines
+apart from an earlier supervisor's.
 
 A second `warmgate serve` on a run dir in use used to adopt the first one's cache, overwrite its admin token and
 its engines' sockets (both numbered engines from 1). Now it stops at the lock (``flock`` on ``serve.lock``; the
@@ -39,23 +40,43 @@ class RunDir:
         self._lock: int | None = None
 
     def claim(self) -> None:
-        """Take the run dir for this process (RunDirInUse if a live gateway has it), and count a generation."""
+        """Take the run dir for this process (RunDirInUse if a live gateway has it)."""
         fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            owner = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
             os.close(fd)
-            raise RunDirInUse(f"run dir {self.path} is in use by another warmgate serve (pid {owner}): stop it, or "
-                              "give this one another --run-dir") from None  # fmt: skip
+            raise RunDirInUse(f"run dir {self.path} is in use by another warmgate serve (pid {self.owner()}): stop "
+                              "it, or give this one another --run-dir") from None  # fmt: skip
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         self._lock = fd
+
+    def inherit(self, fd: int) -> None:
+        """The lock, held already: this process was exec'd by its holder (an upgrade of `warmgate serve`)."""
+        os.set_inheritable(fd, False)
+        self._lock = fd
+
+    @property
+    def lock_fd(self) -> int | None:
+        return self._lock
+
+    def owner(self) -> str:
+        """The pid the lock file names (its holder, if it is held)."""
+        try:
+            return (self.path / LOCK_FILE).read_text().strip() or "unknown"
+        except OSError:
+            return "unknown"
+
+    def next_generation(self) -> int:
+        """A number no earlier supervisor on this run dir had (each supervisor takes one; the lock's holder starts
+        them one at a time)."""
         counter = self.path / GENERATION_FILE
         with contextlib.suppress(OSError, ValueError):
             self.generation = int(counter.read_text())
         self.generation += 1
         counter.write_text(f"{self.generation}\n")
+        return self.generation
 
     def record_address(self, url: str) -> None:
         """Where this gateway listens (mode 0600: the run dir's files are its owner's)."""

@@ -20,10 +20,13 @@ from app.control import EngineRoute, RelaySettings, Table
 from app.metrics import SupervisorMetrics
 from app.supervisor.cache import CacheHandle, CacheSpec, CacheStartError, start_or_adopt
 from app.supervisor.engines import Engine, EngineState
+from app.supervisor.forks import ForkServer
 from app.supervisor.reconciler import Reconciler, Routing, Suspected
 from app.supervisor.relays import Relays
+from app.supervisor.state import EngineRecord, GatewayState, ProcessRecord
 from common.backoff import Backoff
 from common.events import log_error, log_event, log_warning
+from common.processes import start_time
 from engine.protocol import ErrorInfo, ErrorResponse
 
 log = logging.getLogger("warmgate.supervisor")
@@ -65,6 +68,8 @@ class Supervisor:
         self.cache_down: str | None = None  # why the cache process is not serving, while it is restarted
         self._routing = Routing(None, (), ())
         self._generation = 0
+        self._saved: str | None = None  # the state last written to the run dir
+        self._started: dict[int, int | None] = {}  # pid -> its start time, for the state
 
     # -- the relays' table ------------------------------------------------------------------------------
 
@@ -80,6 +85,30 @@ class Supervisor:
                      standbys=[self._route(e) for e in routing.standbys],
                      draining=[self._route(e) for e in routing.draining], cache_down=self.cache_down,
                      settings=settings)  # fmt: skip
+
+    def continue_from(self, generation: int, routing: Routing) -> None:
+        """Adopted relays serve an earlier supervisor's tables, up to ``generation``, with ``routing``: go on from
+        there."""
+        self._generation, self._routing = generation, routing
+
+    def save_state(self, forker: ForkServer | None) -> None:
+        """What the next supervisor adopts if this one dies (app/supervisor/state.py); written when it changed."""
+        engines = [EngineRecord(id=e.id, state=e.state.value, process=self._record(e.pid), socket=e.socket,
+                                log_path=e.log_path, heartbeat_path=e.heartbeat_path, config=e.config, path=e.path)
+                   for e in self.reconciler.engines.values() if e.pid is not None]  # fmt: skip
+        forks = forker.process if forker is not None else None
+        state = GatewayState(supervisor=os.getpid(), engines=engines, engine_overrides=self.engine_overrides,
+                             fork_server=self._record(forks.pid) if forks is not None and forks.returncode is None
+                             else None, table_generation=self._generation)  # fmt: skip
+        text = state.model_dump_json()
+        if text != self._saved:
+            state.save(self.settings.run_dir)
+            self._saved = text
+
+    def _record(self, pid: int) -> ProcessRecord:
+        if pid not in self._started:
+            self._started[pid] = start_time(pid)
+        return ProcessRecord(pid=pid, started=self._started[pid])
 
     def _route(self, engine: Engine | None) -> Any:
         if engine is None:
@@ -274,7 +303,7 @@ class Supervisor:
         return {
             "model": str(self.model),
             "cache": await self.cache_stats(),
-            "supervisor": {"pid": os.getpid()},
+            "supervisor": {"pid": os.getpid(), "serve_pid": os.getppid(), "generation": self.reconciler.generation},
             "relays": self.relays.describe() if self.relays is not None else [],
             **self.reconciler.status(),
         }

@@ -5,9 +5,11 @@ injects one fault, waits for recovery, and records what happened: requests in fl
 how many failed, the recovery time, the median TTFT of streams before and after, and what was lost.
 The tests run in file order and share the gateway (the last one kills it and starts another).
 
-The gateway is a supervisor (the `warmgate serve` process: cache, fork server, engines, liveness, admin API) and
-relay processes (the data plane: they accept the clients' connections and relay requests to engines);
-``/admin/status`` names them (``supervisor.pid``, ``relays[].pid``). The load (load.py) counts a request as
+The gateway is `warmgate serve` (a small master: the run dir's lock and the listening socket), the supervisor it
+keeps running (the control plane: cache, fork server, engines, liveness, admin API), and relay processes (the
+data plane: they accept the clients' connections and relay requests to engines); ``/admin/status`` names them
+(``supervisor.serve_pid``, ``supervisor.pid``, ``relays[].pid``). Relays, engines, the fork server and the cache
+outlive the supervisor and `warmgate serve`: the next supervisor adopts them. The load (load.py) counts a request as
 served only if its answer is whole: a stream needs its usage (max_tokens tokens) and ``data: [DONE]``.
 
 Records go to the JSON-lines file named by ``WARMGATE_FAULT_REPORT`` (bench/fault_report.py sets it and
@@ -207,7 +209,7 @@ def test_a_stopped_supervisor_stalls_no_request_and_kills_no_engine(suite: Suite
     _standby_ready(suite)
     status = suite.gateway.status()
     supervisor = status["supervisor"]["pid"]
-    assert supervisor == suite.gateway.proc.pid, status["supervisor"]
+    assert status["supervisor"]["serve_pid"] == suite.gateway.proc.pid, status["supervisor"]
     engines = _engine_pids(status)
     crashes = len(suite.restarts("crash"))
     log_from = suite.gateway.log_path.stat().st_size
@@ -358,40 +360,156 @@ def _cache_loads(root: Path) -> int:
     return (root / "run" / "cache.log").read_text().count("event=startup phase=load")
 
 
-def test_kill_9_of_the_supervisor_keeps_the_model_resident(suite: Suite) -> None:
+def _running(status: dict[str, Any]) -> dict[str, Any]:
+    """What must survive a supervisor's death untouched: the engines (id -> pid), the cache's pid, the relays'."""
+    return {"engines": {e["id"]: e["pid"] for e in status["engines"]}, "cache": status["cache"]["pid"],
+            "relays": sorted(r["pid"] for r in status["relays"])}  # fmt: skip
+
+
+def _adopted(suite: Suite, before: dict[str, Any], supervisor: int) -> dict[str, Any]:
+    """Wait until a new supervisor serves the status, and return it; its engines, cache and relays must be the
+    ones that ran before (adopted: none started anew)."""
+
+    def answered() -> dict[str, Any] | None:
+        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+            status = suite.gateway.status()
+            if status["supervisor"]["pid"] != supervisor and all(r["connected"] for r in status["relays"]):
+                return status
+        return None
+
+    status = wait_for(answered, 180, "no new supervisor answered")
+    assert _running(status) == before, (before, _running(status))
+    return status  # type: ignore[no-any-return]
+
+
+def test_kill_9_of_the_supervisor_is_repaired_by_adoption(suite: Suite) -> None:
+    """The supervisor (control plane) dies: relays and engines serve on, `warmgate serve` starts another, and it
+    adopts everything that runs. No request fails and no engine is started anew."""
+    _standby_ready(suite)
+    status = suite.gateway.status()
+    before, supervisor = _running(status), status["supervisor"]["pid"]
+    log_from = suite.gateway.log_path.stat().st_size
+    injected = time.monotonic()
+    os.kill(supervisor, signal.SIGKILL)
+    _adopted(suite, before, supervisor)
+    recovered = time.monotonic()
+    log = _log_since(suite.gateway.log_path, log_from)
+    assert "event=supervisor_exited code=-9" in log and "event=engines_adopted" in log, log[-3000:]
+    assert "event=restart " not in log, "an engine was started"
+    suite.record("kill -9 of the supervisor (`warmgate serve` starts another, which adopts everything)", injected,
+                 recovered, lost="nothing: relays and engines served on; nothing was started anew")  # fmt: skip
+
+
+def test_an_upgrade_replaces_the_gateways_processes_under_load(suite: Suite) -> None:
+    """`warmgate upgrade`: `warmgate serve` re-executes itself (same pid), a new supervisor adopts the engines and
+    the cache, starts new relays on the same socket and drains the old ones: no request fails."""
+    _standby_ready(suite)
+    status = suite.gateway.status()
+    before = _running(status)
+    injected = time.monotonic()
+    cmd = [sys.executable, "-m", "app.cli", "upgrade", "--run-dir", str(suite.gateway.run_dir)]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    recovered = time.monotonic()
+    assert done.returncode == 0 and done.stdout.startswith("upgraded in"), done.stderr
+    after = suite.gateway.status()
+    assert after["supervisor"]["serve_pid"] == suite.gateway.proc.pid, "warmgate serve is not the same process"
+    assert after["supervisor"]["pid"] != status["supervisor"]["pid"]
+    assert set(_running(after)["relays"]).isdisjoint(before["relays"]), (before, after["relays"])
+    assert not any(pid_alive(pid) for pid in before["relays"]), "an old relay is still running"
+    assert _running(after)["engines"] == before["engines"] and _running(after)["cache"] == before["cache"]
+    suite.record("`warmgate upgrade` (new serve code, supervisor, relays and fork server; engines and cache kept)",
+                 injected, recovered, lost="nothing: the old relays drained while the new ones accepted",
+                 upgrade=done.stdout.strip()[:160])  # fmt: skip
+
+
+def _serve_again(suite: Suite) -> None:
+    """`warmgate serve` on the run dir whose `warmgate serve` was killed: it takes the socket the relays hold."""
+    old = suite.gateway
+    port = int(old.url.rsplit(":", 1)[1])
+    cmd = [sys.executable, "-m", "app.cli", "serve", "--config", str(old.config), "--port", str(port),
+           "--run-dir", str(old.run_dir)]  # fmt: skip
+    log_path = suite.root / f"serve-{time.monotonic_ns()}.log"
+    with log_path.open("wb") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    suite.gateway = Gateway(proc, old.url, old.run_dir, old.config, log_path)
+
+
+def test_kill_9_of_warmgate_serve_then_serve_again_refuses_nothing(suite: Suite) -> None:
+    """`warmgate serve` itself dies (its supervisor with it): the relays keep accepting on the socket and the
+    engines keep serving; `warmgate serve` again takes the socket over from a relay and adopts everything. No
+    connection is refused, no request fails, no engine starts anew, and the model is not read again."""
     _standby_ready(suite)
     old = suite.gateway
-    cache = old.status()["cache"]
-    engines = [e["pid"] for e in old.status()["engines"]]
-    old_sockets = [e["socket"] for e in old.status()["engines"]]
-    relays = [r["pid"] for r in old.status().get("relays", [])]  # the split gateway's data plane
+    status = old.status()
+    before, supervisor = _running(status), status["supervisor"]["pid"]
     loads = _cache_loads(suite.root)
     injected = time.monotonic()
     old.proc.kill()
     old.proc.wait()
-    # Its engines, relays and fork server stop by themselves; its cache process stays, with the weights.
-    wait_for(lambda: not any(pid_alive(pid) for pid in engines), 60, "engines outlived the gateway")
-    wait_for(lambda: not any(pid_alive(pid) for pid in relays), 60, "relays outlived the supervisor")
-    assert Path(f"/proc/{cache['pid']}").exists()
-    port = int(old.url.rsplit(":", 1)[1])
-    cmd = [sys.executable, "-m", "app.cli", "serve", "--config", str(old.config), "--port", str(port),
-           "--run-dir", str(old.run_dir)]  # fmt: skip
-    log_path = suite.root / "serve-2.log"
-    with log_path.open("wb") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
-    suite.gateway = wait_until_ready(Gateway(proc, old.url, old.run_dir, old.config, log_path))
+    wait_for(lambda: not pid_alive(supervisor), 30, "the supervisor outlived warmgate serve")
+    time.sleep(2.0)  # nothing supervises meanwhile: the relays and engines serve alone
+    _serve_again(suite)
+    _adopted(suite, before, supervisor)
     recovered = time.monotonic()
-    status = suite.gateway.status()
-    assert status["cache"]["pid"] == cache["pid"], "the running cache was not adopted"
-    # Its engines are of a new generation: no name of theirs can be an earlier gateway's (engine-GEN-ID).
-    old_names = {Path(s).stem.rsplit("-", 1)[0] for s in old_sockets}
-    new_names = {Path(e["socket"]).stem.rsplit("-", 1)[0] for e in status["engines"]}
-    assert old_names.isdisjoint(new_names), (old_names, new_names)
+    log = suite.gateway.log_path.read_text()
+    assert "event=listener_taken_over" in log and "event=engines_adopted" in log, log[-3000:]
+    assert "event=restart " not in log, "an engine was started"
     assert _cache_loads(suite.root) == loads, "the checkpoint was read again"
-    assert "event=cache_adopted" in log_path.read_text()
-    assert status["restarts"][-1]["weight_source"] == "ipc"
-    suite.record("kill -9 of the supervisor, then `warmgate serve` again", injected, recovered,
-                 expect_failures=True,
-                 lost="the requests sent while nothing listened (refused; the requests in flight finished: relays "
-                      "and engines drain as they stop); the model stayed resident (cache adopted, no disk read); "
-                      "recovery includes starting the new gateway")  # fmt: skip
+    row = suite.record("kill -9 of `warmgate serve`, then `warmgate serve` again", injected, recovered,
+                       lost="nothing: the relays accepted throughout; the new gateway adopted everything")  # fmt: skip
+    assert row["refused"] == 0 and row["failed"] == 0, row
+
+
+def test_a_relay_killed_while_no_supervisor_runs_is_replaced_by_the_next(suite: Suite) -> None:
+    """With `warmgate serve` gone, a relay is killed: only its own connections are lost; the next supervisor
+    adopts the other relays and starts a new one in its place."""
+    _standby_ready(suite)
+    old = suite.gateway
+    status = old.status()
+    relays = {r["index"]: r["pid"] for r in status["relays"]}
+    port = int(old.url.rsplit(":", 1)[1])
+    held = {index: _connections(pid, port) for index, pid in relays.items()}
+    victim = max(held, key=lambda index: held[index])
+    old.proc.kill()
+    old.proc.wait()
+    wait_for(lambda: not pid_alive(status["supervisor"]["pid"]), 30, "the supervisor outlived warmgate serve")
+    injected = time.monotonic()
+    os.kill(relays[victim], signal.SIGKILL)
+    time.sleep(1.0)
+    _serve_again(suite)
+
+    def replaced() -> dict[int, int] | None:
+        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+            now = {r["index"]: r["pid"] for r in suite.gateway.status()["relays"] if r["connected"]}
+            return now if len(now) == len(relays) and relays[victim] not in now.values() else None
+        return None
+
+    now = wait_for(replaced, 180, "the killed relay was not replaced")
+    recovered = time.monotonic()
+    kept = {index: pid for index, pid in relays.items() if index != victim}
+    assert all(now.get(index) == pid for index, pid in kept.items()), (relays, now)
+    row = suite.record("kill -9 of a relay while no supervisor runs", injected, recovered, expect_failures=True,
+                       lost="the requests in flight on its connections; the next supervisor started a new relay",
+                       victim_connections=held[victim])  # fmt: skip
+    assert row["failed"] == row["in_flight_failed"] <= held[victim], row
+    assert row["refused"] == 0, row
+
+
+def test_warmgate_stop_stops_a_gateway_whose_serve_is_gone(suite: Suite) -> None:
+    """`warmgate stop --run-dir` stops what a killed `warmgate serve` left running, in order, and leaves nothing."""
+    from common.processes import gateway_processes
+
+    _standby_ready(suite)
+    gateway = suite.gateway
+    suite.load.stop()
+    gateway.proc.kill()
+    gateway.proc.wait()
+    left = gateway_processes(gateway.run_dir)
+    assert {p.role for p in left} >= {"relay", "engine", "fork server", "cache"}, left
+    cmd = [sys.executable, "-m", "app.cli", "stop", "--run-dir", str(gateway.run_dir)]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "stopped what ran on" in done.stdout, (done.stdout, done.stderr)
+    assert not gateway_processes(gateway.run_dir), gateway_processes(gateway.run_dir)
+    assert not list(gateway.run_dir.glob("*.sock")), list(gateway.run_dir.glob("*.sock"))
+    again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0 and "nothing runs" in again.stdout, again.stdout
