@@ -59,6 +59,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import tomllib
 from collections import Counter
@@ -824,9 +825,16 @@ class Bench:
         warmup, _ = self.pool.run(target, warm_prompts, c, a.output_len, self.stop_at) if warm else ([], {})
         pids = watched_pids(self.admin.status() or status, self.serve_pid, a.gateway_pid)
         before = cpu_snapshot(pids)
+        fault: dict[str, Any] = {"concurrency": c}  # filled by the fault's thread, also after the level
+        if a.fault and target_kind == "gateway" and c in a.fault_levels:
+            timer = threading.Timer(a.fault_at, self.inject, args=(fault,))
+            timer.daemon = True
+            timer.start()
         t = time.monotonic()
         recs, client = self.pool.run(target, prompts, c, a.output_len, self.stop_at)
         wall = time.monotonic() - t
+        if "kind" in fault:
+            result.setdefault("faults", []).append(fault)
         stats = level_stats(c, recs)
         cpu = cpu_usage(pids, before, wall, stats["output_tokens"])
         after = self.admin.status()
@@ -857,6 +865,31 @@ class Bench:
         if stats["error_kinds"]:
             say(f"  errors: {json.dumps(stats['error_kinds'])[:600]}")
         self.write()
+
+    def inject(self, fault: dict[str, Any]) -> None:
+        """--fault, while a level's requests run: kill -9 of the supervisor (`warmgate serve` starts another, which
+        adopts everything), or `warmgate upgrade`; until a new supervisor answers with every relay connected."""
+        a = self.args
+        before = self.admin.status() or {}
+        supervisor = (before.get("supervisor") or {}).get("pid")
+        fault.update({"kind": a.fault, "supervisor_before": supervisor, "at_s": round(time.monotonic() - a.started, 3),
+                      "engines_before": sorted(e.get("pid") for e in before.get("engines") or [])})  # fmt: skip
+        t = time.monotonic()
+        if a.fault == "kill-supervisor":
+            os.kill(supervisor, signal.SIGKILL)
+        else:
+            cmd = [sys.executable, "-m", "app.cli", "upgrade", "--run-dir", str(self.run_dir)]
+            done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+            fault["upgrade"] = (done.stdout or done.stderr).strip()[:400]
+        while time.monotonic() - t < 300:
+            now = self.admin.status() or {}
+            pid = (now.get("supervisor") or {}).get("pid")
+            if pid not in (None, supervisor) and all(r.get("connected") for r in now.get("relays") or []):
+                fault.update({"supervisor_after": pid, "recovered_s": round(time.monotonic() - t, 3),
+                              "engines_after": sorted(e.get("pid") for e in now.get("engines") or [])})  # fmt: skip
+                break
+            time.sleep(0.1)
+        say(f"  fault {a.fault}: {json.dumps(fault)[:400]}")
 
     def restart_probe(self) -> None:
         a, result = self.args, self.result
@@ -947,6 +980,15 @@ def markdown(result: dict[str, Any]) -> str:
         rep = result["restart"]["report"]
         lines.append(f"- restart: HTTP {result['restart']['status']} in {result['restart']['seconds']:.2f} s, "
                      f"weights {rep.get('weight_source')}, phases {json.dumps(rep.get('phases'))}")  # fmt: skip
+    for f in result.get("faults") or []:
+        level = next((s for s in result["levels"] if s["target"] == "gateway" and s["concurrency"] == f["concurrency"]),
+                     None)  # fmt: skip
+        failed = "n/a" if level is None else f"{level['errors']} of {level['requests']} requests failed"
+        lines.append(f"\nFault `{f['kind']}` {f.get('at_s')} s into the run, during the gateway level at "
+                     f"{f['concurrency']} streams: {failed}; a new supervisor (pid {f.get('supervisor_before')} -> "
+                     f"{f.get('supervisor_after')}) served with every relay connected after "
+                     f"{f.get('recovered_s')} s; engines {f.get('engines_before')} -> "
+                     f"{f.get('engines_after')}")  # fmt: skip
     if "failed" in result:
         lines.append(f"\n**Incomplete run:** {result['failed']}")
     return "\n".join(lines) + "\n"
@@ -999,6 +1041,10 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=49152, help="token ids are drawn from [1000, vocab-1000)")
     p.add_argument("--restart-probe", type=int, default=10, help="sequential requests after start and restart")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fault", choices=("kill-supervisor", "upgrade"),
+                   help="inject this into the gateway levels of --fault-levels, --fault-at s into their requests")
+    p.add_argument("--fault-at", type=float, default=5.0)
+    p.add_argument("--fault-levels", type=int_list, default=[64])
     args = p.parse_args()
     if len(args.requests_per_client) not in (1, len(args.concurrency)):
         p.error("--requests-per-client: one value, or one per --concurrency level")
