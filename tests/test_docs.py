@@ -14,7 +14,7 @@ from app.config import Settings, load_settings
 from app.settings_reference import BEGIN, END, block_in, render
 
 README = Path(__file__).resolve().parent.parent / "README.md"
-HIDDEN_COMMANDS = ("relay", "fork-server")  # started by `warmgate serve`, not by people: not in the help
+HIDDEN_COMMANDS = ("relay", "fork-server", "supervisor")  # started by `warmgate serve`, not by people: not in the help
 
 
 def test_the_readme_settings_reference_is_rendered_from_the_models() -> None:
