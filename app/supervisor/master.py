@@ -194,8 +194,20 @@ class Master:
         return os.waitstatus_to_exitcode(status)
 
     def _reap(self) -> None:
-        """A supervisor that died is started again (with backoff): it adopts what the last one ran."""
-        code = self._exited(block=False)
+        """A supervisor that died is started again (with backoff): it adopts what the last one ran. Other children
+        are reaped too (as PID 1 of a container without an init, the orphans of a dead supervisor are ours)."""
+        code = None
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            if pid == self.child:
+                self.child = None
+                os.close(self.ready)
+                code = os.waitstatus_to_exitcode(status)
         if code is None:
             return
         log_warning(log, "supervisor_exited", code=code)
