@@ -5,6 +5,11 @@ process writes its values into the run dir's ``metrics/`` folder (prometheus-cli
 one small mmap'd file per process and kind), and any relay's ``/metrics`` sums them: one endpoint, the same
 names, however many relays. Gauges count only live processes (``livesum``): a relay that died takes its
 in-flight and queued requests with it; its counters stay in the sums, as a client saw them.
+
+A relay's /metrics also reports the gateway's load under vLLM's own names (``vllm:``), the ones a Kubernetes
+inference router (the Gateway API Inference Extension's endpoint picker) reads from every pod to choose one:
+requests queued (in the relays and in the engines), requests running, the KV cache in use, the KV block size.
+The engines' figures come from their heartbeat files (common/heartbeat.py), read at the scrape.
 """
 
 from __future__ import annotations
@@ -12,10 +17,15 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from app.supervisor.engines import RestartReport
@@ -25,6 +35,8 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120
 PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60)
 STATES = ("starting", "ready", "active", "standby", "draining", "stopped", "failed")
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+QUEUED_IN_RELAYS = "warmgate:num_requests_waiting"
+NO_ADAPTERS = {"max_lora": "0", "running_lora_adapters": "", "waiting_lora_adapters": ""}
 
 
 def use_directory(path: Path, *, fresh: bool = False) -> None:
@@ -40,13 +52,66 @@ def use_directory(path: Path, *, fresh: bool = False) -> None:
         values.ValueClass = values.MultiProcessValue()
 
 
-def render() -> bytes:
-    """The exposition of every process's metrics in the folder (a relay's /metrics)."""
+@dataclass(frozen=True)
+class ServingLoad:
+    """The gateway's engines as a router sees them: those that serve (the active one, and any draining), summed;
+    the KV cache of the one that takes new requests (the active one; while none is, one that drains)."""
+
+    running: int
+    waiting: int  # in the engines' own queues (the relays' queue is in the multiprocess files)
+    kv_usage: float  # 0..1
+    block_size: int  # 0: no engine has served yet
+    kv_blocks: int
+    model_name: str
+
+
+def render(serving: ServingLoad | None = None) -> bytes:
+    """The exposition of every process's metrics in the folder (a relay's /metrics), and with ``serving`` the
+    router's metrics (vLLM's names)."""
     from prometheus_client import multiprocess
 
     registry = CollectorRegistry()
-    multiprocess.MultiProcessCollector(registry)
+    registry.register(_Exposition(multiprocess.MultiProcessCollector(None), serving))
     return bytes(generate_latest(registry))
+
+
+class _Exposition(Collector):
+    """The processes' metrics, then the router's, which add the relays' queue (read from those) to the engines'."""
+
+    def __init__(self, processes: Collector, serving: ServingLoad | None) -> None:
+        self.processes = processes
+        self.serving = serving
+
+    def collect(self) -> Iterator[Metric]:
+        families = list(self.processes.collect())
+        yield from families
+        if self.serving is not None:
+            queued = sum(sample.value for f in families if f.name == QUEUED_IN_RELAYS for sample in f.samples)
+            yield from router_metrics(self.serving, int(queued))
+
+
+def router_metrics(serving: ServingLoad, queued_in_relays: int) -> list[GaugeMetricFamily]:
+    """The model-server protocol of the Gateway API Inference Extension, with the names vLLM gives these figures
+    (and its endpoint picker reads by default); one series each, labelled with the model as vLLM's are."""
+    model = {"model_name": serving.model_name}
+
+    def gauge(name: str, documentation: str, value: float, labels: dict[str, str] = model) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(name, documentation, labels=list(labels))
+        family.add_metric(list(labels.values()), value)
+        return family
+
+    waiting = queued_in_relays + serving.waiting
+    families = [
+        gauge("vllm:num_requests_waiting", "Requests queued: in the relays and in the engines' schedulers", waiting),
+        gauge("vllm:num_requests_running", "Sequences running in the engines (active, draining)", serving.running),
+        gauge("vllm:kv_cache_usage_perc", "The active engine's KV-cache usage, 1 = 100 percent", serving.kv_usage),
+        # No LoRA adapters: the picker reads this family by default, and skips a series that names none.
+        gauge("vllm:lora_requests_info", "LoRA adapters (warmgate serves none)", 0, NO_ADAPTERS),
+    ]
+    if serving.block_size:
+        layout = {"block_size": str(serving.block_size), "num_gpu_blocks": str(serving.kv_blocks)}
+        families.append(gauge("vllm:cache_config_info", "The active engine's KV cache", 1, layout))
+    return families
 
 
 def forget_process(pid: int) -> None:

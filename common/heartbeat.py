@@ -8,6 +8,11 @@ memory access: it cannot be delayed by a busy relay, supervisor or engine HTTP l
 CLOCK_MONOTONIC (one clock for every process on the machine), so the reader needs no history of its own: a
 supervisor stopped for a minute sees fresh stamps when it runs again, and kills nobody. A process that is
 stopped (SIGSTOP) or stuck in a step stops stamping, and its stamps age.
+
+The same file carries the engine's load for the relays' /metrics (what a Kubernetes inference router reads:
+docs/operations.md, "Many replicas"): the engine thread writes its scheduler's figures after every step, and a
+relay reads them when it is scraped, without asking the engine. What never changes (the model's name, the KV
+block size and block count) is written once, before the engine serves.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import mmap
 import os
 import struct
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ENGINE_THREAD = 0  # stamped by the engine thread on every step, and at least every BEAT_INTERVAL while idle
@@ -24,9 +30,40 @@ EVENT_LOOP = 1  # stamped by the engine's HTTP event loop every BEAT_INTERVAL
 STAMPS = 2
 STATE = 2  # not a stamp: the engine's state as the supervisor sees it (an index into STATES), for its process title
 STATES = ("starting", "ready", "active", "standby", "draining")
-SLOTS = 3
+# The engine's load: running, waiting, KV blocks used (every step), then block size, KV blocks in all and the
+# length of the model's name (once), then the name's bytes.
+LOAD, INFO, NAME = 3, 6, 9
+NAME_BYTES = 256
+SLOTS = NAME
+SIZE = SLOTS * 8 + NAME_BYTES  # a file of an earlier layout is shorter: it has stamps and state, no load
 BEAT_INTERVAL = 0.25  # seconds
-_SLOT = struct.Struct("<Q")  # monotonic nanoseconds; an aligned 8-byte store, never seen half-written
+# Native order ("@"): struct packs a native integer with one memcpy, an aligned 8-byte store that a reader never
+# sees half-written ("<" packs byte by byte). Every process that shares the file runs on this machine.
+_SLOT = struct.Struct("@Q")  # monotonic nanoseconds
+# Three such stores: a reader may see two consecutive steps' figures mixed, never a torn number.
+_TRIPLE = struct.Struct("@3Q")
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """An engine's scheduler as of its last step, and what it is (as the relays' /metrics reports it)."""
+
+    running: int  # sequences in its running batch
+    waiting: int  # requests queued in the engine, not yet running
+    kv_blocks_used: int
+    kv_blocks_total: int
+    block_size: int  # KV cache positions per block
+    model_name: str  # the served model name
+
+    @property
+    def kv_usage(self) -> float:
+        """The fraction of the KV cache in use, 0..1."""
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+def beside(engine_socket: str | Path) -> Path:
+    """An engine's heartbeat file: its socket's name with ``.beat`` (the supervisor names them so)."""
+    return Path(engine_socket).with_suffix(".beat")
 
 
 class Heartbeat:
@@ -36,17 +73,18 @@ class Heartbeat:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         fd = os.open(self.path, os.O_RDWR)
-        try:
-            self._map = mmap.mmap(fd, SLOTS * _SLOT.size)
+        try:  # the file's own size: one of an earlier layout (an engine adopted across an upgrade) is shorter
+            self._map = mmap.mmap(fd, min(os.fstat(fd).st_size, SIZE))
         finally:
             os.close(fd)
+        self._has_load = len(self._map) >= SIZE
 
     @classmethod
     def create(cls, path: Path) -> Heartbeat:
         """A new heartbeat file (mode 0600), no stamp in it yet."""
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            os.write(fd, bytes(SLOTS * _SLOT.size))
+            os.write(fd, bytes(SIZE))
         finally:
             os.close(fd)
         return cls(path)
@@ -72,6 +110,31 @@ class Heartbeat:
         """The engine: its state as the supervisor last told it."""
         index = _SLOT.unpack_from(self._map, STATE * _SLOT.size)[0]
         return STATES[index] if index < len(STATES) else STATES[0]
+
+    def describe(self, model_name: str, block_size: int, kv_blocks_total: int) -> None:
+        """The engine, once before it serves: what its load figures are about."""
+        if not self._has_load:
+            return
+        name = model_name.encode()[:NAME_BYTES]
+        self._map[SLOTS * _SLOT.size : SLOTS * _SLOT.size + len(name)] = name
+        _TRIPLE.pack_into(self._map, INFO * _SLOT.size, block_size, kv_blocks_total, len(name))
+
+    def publish(self, running: int, waiting: int, kv_blocks_used: int) -> None:
+        """The engine thread, after each step: its scheduler's figures."""
+        if self._has_load:
+            _TRIPLE.pack_into(self._map, LOAD * _SLOT.size, running, waiting, kv_blocks_used)
+
+    def load(self) -> EngineLoad | None:
+        """The engine's last published load; None before it described itself, or in a file of an earlier layout."""
+        if not self._has_load:
+            return None
+        block_size, total, name_length = _TRIPLE.unpack_from(self._map, INFO * _SLOT.size)
+        if block_size == 0:
+            return None
+        running, waiting, used = _TRIPLE.unpack_from(self._map, LOAD * _SLOT.size)
+        offset = SLOTS * _SLOT.size
+        name = bytes(self._map[offset : offset + name_length]).decode(errors="ignore")  # a name cut inside a character
+        return EngineLoad(running, waiting, used, total, block_size, name)
 
     def close(self) -> None:
         self._map.close()

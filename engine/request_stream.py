@@ -1,7 +1,9 @@
 """A submitted request as the HTTP server sees it: an async stream of TokenEvents, fed from an engine thread.
 
 Every backend's engine hands its server RequestStreams: the engine's own thread (EngineThread) pushes each
-step's events into an Outbox, which wakes each event loop once per step, not once per token.
+step's events into an Outbox, which wakes each event loop once per step, not once per token. After each step
+the thread also writes its scheduler's figures into the heartbeat file (common/heartbeat.py), where the
+relays' /metrics reads them.
 """
 
 from __future__ import annotations
@@ -95,8 +97,12 @@ class EngineThread(Generic[Item]):
         self._heartbeat: Heartbeat | None = None
 
     def start(self, heartbeat: Heartbeat | None = None) -> None:
-        """Start stepping; ``heartbeat`` is stamped on every step, and while idle at least every BEAT_INTERVAL."""
+        """Start stepping; ``heartbeat`` is stamped on every step, and while idle at least every BEAT_INTERVAL, and
+        carries the scheduler's figures after every step."""
         self._heartbeat = heartbeat
+        if heartbeat is not None:
+            heartbeat.describe(*self._description())
+        self._publish()
         self._thread = threading.Thread(target=self._loop, name=f"warmgate-{type(self).__name__}", daemon=True)
         self._thread.start()
 
@@ -140,7 +146,14 @@ class EngineThread(Generic[Item]):
             except Exception as exc:  # a failed step fails its requests, not the engine
                 log.exception("event=step_failed")
                 self._fail(f"{type(exc).__name__}: {exc}")
+            self._publish()
             self._outbox.flush()
+
+    def _publish(self) -> None:
+        """Write the scheduler's figures into the heartbeat file: after every step, and where a backend can, as soon
+        as a step is scheduled (a long step would otherwise show the one before it)."""
+        if self._heartbeat is not None:
+            self._heartbeat.publish(*self._load())
 
     def _idle(self) -> bool:
         raise NotImplementedError
@@ -155,4 +168,12 @@ class EngineThread(Generic[Item]):
 
     def _abort_all(self) -> None:
         """After the thread stopped: end every request still queued or running with 'abort'."""
+        raise NotImplementedError
+
+    def _description(self) -> tuple[str, int, int]:
+        """What its load figures are about: the served model's name, the KV block size, the usable KV blocks."""
+        raise NotImplementedError
+
+    def _load(self) -> tuple[int, int, int]:
+        """The scheduler's figures now: sequences running, requests waiting, KV blocks in use."""
         raise NotImplementedError

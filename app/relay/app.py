@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.metrics import CONTENT_TYPE, render
+from app.relay.engine_load import EngineLoads
 from app.relay.inflight import CHAT, COMPLETIONS, InFlight, InvalidRequest
 from app.relay.link import SupervisorGone, SupervisorLink
 from app.relay.openapi import document_bodies
@@ -201,19 +202,24 @@ def create_api(table: TableView, relay: Relay, link: SupervisorLink, relayed: AS
     @app.get("/ready")
     async def ready() -> Response:
         """Ready once the active engine answers a real 1-token generation."""
+        probed = table.active  # the engine ask_active asks: under load its answer may come after a restart
         answer = await ask_active("POST", COMPLETIONS, READY_PROBE, READY_TIMEOUT_S)
         if isinstance(answer, str):
             return openai_error(503, answer, "service_unavailable")
         if answer[0] != 200:
             return openai_error(503, f"the active engine answered {answer[0]}", "service_unavailable")
-        current = table.table
-        assert current is not None and current.active is not None
+        assert probed is not None
+        cache = table.table.cache_down if table.table is not None else None
         # Engines serve on their mappings while the cache process restarts: ready, and saying so.
-        return JSONResponse({"status": "ready", "engine": current.active.id, "cache": current.cache_down or "ok"})
+        return JSONResponse({"status": "ready", "engine": probed.id, "cache": cache or "ok"})
+
+    loads = EngineLoads()
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(await asyncio.to_thread(render), media_type=CONTENT_TYPE)
+        # The engines' figures: a read of their heartbeat files' memory, on the loop (no engine is asked).
+        serving = loads.read(table.table)
+        return Response(await asyncio.to_thread(render, serving), media_type=CONTENT_TYPE)
 
     async def admin(request: Request, op: str) -> Response:
         if not authorized(request, [table.settings.admin_token]):

@@ -167,6 +167,12 @@ class LLMEngine(EngineThread[Sequence]):
         self.scheduler.waiting.clear()
         self.scheduler.running.clear()
 
+    def _description(self) -> tuple[str, int, int]:
+        return self.config.name, self.kv.spec.block_size, self.kv_blocks_total
+
+    def _load(self) -> tuple[int, int, int]:
+        return self.num_running, self.num_waiting, self.kv_blocks_total - self.kv_blocks_free
+
     @torch.inference_mode()
     def _step(self) -> None:
         for seq in [*self.scheduler.waiting, *self.scheduler.running]:
@@ -175,6 +181,7 @@ class LLMEngine(EngineThread[Sequence]):
         step = self.scheduler.schedule()
         if not step:
             return
+        self._publish()
         self.stats.step_begin(step)
         out = self.runner.run(step)
         for work in step:

@@ -159,11 +159,11 @@ class VllmEngine(EngineThread[_Pending]):
 
     @property
     def num_running(self) -> int:
-        return len(self._streams)
+        return self._load()[0]
 
     @property
     def num_waiting(self) -> int:
-        return len(self._inbox)
+        return self._load()[1]
 
     @property
     def num_preemptions(self) -> int:
@@ -180,9 +180,17 @@ class VllmEngine(EngineThread[_Pending]):
         return int(pool.num_gpu_blocks) if pool is not None else 0
 
     def _block_pool(self) -> Any:
+        scheduler = self._scheduler()
         try:
-            return self.llm.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+            return scheduler.kv_cache_manager.block_pool if scheduler is not None else None
         except AttributeError:  # another vLLM layout: /health reports 0 rather than failing
+            return None
+
+    def _scheduler(self) -> Any:
+        """vLLM's scheduler (in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0), or None in a layout we do not know."""
+        try:
+            return self.llm.engine_core.engine_core.scheduler
+        except AttributeError:
             return None
 
     # -- the stepping thread (engine/request_stream.py's EngineThread) -----------------------
@@ -231,6 +239,20 @@ class VllmEngine(EngineThread[_Pending]):
                 if not ids:
                     stream.push(TokenEvent(None, reason))
                 del self._streams[out.request_id]
+
+    def _description(self) -> tuple[str, int, int]:
+        # vLLM chooses the block size; its usage leaves out the null block (vllm.v1.core.block_pool.get_usage).
+        pool = self._block_pool()
+        block_size = int(self.llm.vllm_config.cache_config.block_size)
+        return self.config.name, block_size, int(pool.num_gpu_blocks) - 1 if pool is not None else 0
+
+    def _load(self) -> tuple[int, int, int]:
+        """vLLM's own scheduler queues (``self._streams`` counts its running and waiting requests together)."""
+        scheduler, pool = self._scheduler(), self._block_pool()
+        if scheduler is None or pool is None:
+            return len(self._streams), len(self._inbox), 0
+        used = int(pool.num_gpu_blocks) - 1 - int(pool.get_num_free_blocks())
+        return len(scheduler.running), len(scheduler.waiting) + len(self._inbox), used
 
     def _fail(self, error: str) -> None:
         rids = list(self._streams)
