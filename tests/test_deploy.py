@@ -216,3 +216,37 @@ def test_every_metric_the_dashboard_queries_is_exported(image_gateway: ImageGate
     assert queried <= exported, f"queried but not exported: {sorted(queried - exported)}"
     samples = {s.name: s.value for family in text_string_to_metric_families(exposition) for s in family.samples}
     assert samples["warmgate:cache_bytes"] > 0 and samples["warmgate:cache_leases"] >= 1  # read from the cache
+
+
+def test_the_inference_pool_example_selects_the_deployments_pods_on_the_gateways_port() -> None:
+    """deploy/k8s/inference-gateway/: an InferencePool (the Gateway API Inference Extension's v1 API) whose members
+    are exactly the Deployment's pods, on the port the gateway listens on in the CUDA image (its API and /metrics,
+    which the endpoint picker scrapes), and an HTTPRoute that sends the OpenAI routes to it."""
+    path = DEPLOY / "k8s" / "inference-gateway" / "inferencepool.yaml"
+    docs = {d["kind"]: d for d in yaml.safe_load_all(path.read_text()) if d}
+    assert set(docs) == {"InferencePool", "HTTPRoute"}
+    pool = docs["InferencePool"]
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1" and pool["metadata"]["name"]
+    spec = pool["spec"]
+    assert set(spec) <= {"selector", "targetPorts", "appProtocol", "endpointPickerRef"}, spec  # the v1 spec's fields
+    deployment = _manifests()["Deployment"]
+    template = deployment["spec"]["template"]
+    # The v1 selector has matchLabels only; the Deployment's own selector: every pod it makes, and only those.
+    assert spec["selector"] == {"matchLabels": deployment["spec"]["selector"]["matchLabels"]}
+    assert spec["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+
+    container = template["spec"]["containers"][0]
+    listens = int(_dockerfile(DEPLOY / "Dockerfile.cuda")["WARMGATE_GATEWAY__PORT"])
+    assert [p["number"] for p in spec["targetPorts"]] == [listens]
+    assert listens in [p["containerPort"] for p in container["ports"]]
+    assert template["metadata"]["annotations"]["prometheus.io/port"] == str(listens)  # /metrics on the same port
+    assert spec.get("appProtocol", "http") == "http"  # HTTP/1.1: what the relays speak
+    picker = spec["endpointPickerRef"]
+    assert picker.get("kind", "Service") == "Service" and picker["name"] and 0 < picker["port"]["number"] < 65536
+
+    route = docs["HTTPRoute"]
+    assert route["apiVersion"] == "gateway.networking.k8s.io/v1"
+    (rule,) = route["spec"]["rules"]
+    assert rule["backendRefs"] == [{"group": "inference.networking.k8s.io", "kind": "InferencePool",
+                                    "name": pool["metadata"]["name"]}]  # fmt: skip
+    assert [m["path"]["value"] for m in rule["matches"]] == ["/v1"]  # the OpenAI API; /admin and /metrics stay inside
