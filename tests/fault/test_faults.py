@@ -34,7 +34,7 @@ from typing import Any
 import httpx
 import pytest
 from load import Load, fresh, summary
-from processes import REPO, Gateway, start_gateway, wait_for, wait_until_ready
+from processes import REPO, Gateway, start_gateway, wait_for
 
 from common.processes import pid_alive
 
