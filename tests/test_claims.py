@@ -120,7 +120,7 @@ def _check_admin_token(gw: Gateway, token: str) -> None:
     assert stat.S_IMODE(path.stat().st_mode) == 0o600, oct(path.stat().st_mode)
     for _ in range(3):  # new connections each time: both relays get asked, most likely
         accepted = _admin_status(gw.url, token)
-        assert accepted.status_code == 200 and accepted.json()["supervisor"]["pid"] == gw.proc.pid, accepted.text
+        assert accepted.status_code == 200 and accepted.json()["supervisor"]["serve_pid"] == gw.proc.pid, accepted.text
         refused = _admin_status(gw.url, token + "-not")
         assert refused.status_code == 401, refused.text
         assert refused.json()["error"]["type"] == "authentication_error", refused.text

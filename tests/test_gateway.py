@@ -389,7 +389,9 @@ def test_status_restart_and_reload_commands_print_summaries_and_json(gateway: Ga
     assert row[:4] == [str(active["id"]), "active", str(active["pid"]), "ipc"], row
     settings_line = next(line for line in summary.splitlines() if line.startswith("engine   "))
     assert f"max_num_seqs={active['settings']['max_num_seqs']}" in settings_line.split()  # the settings in use
-    assert f"gateway  supervisor pid {gateway.proc.pid}  {len(status['relays'])} relays" in summary
+    supervisor, relays = status["supervisor"]["pid"], len(status["relays"])
+    processes = f"serve pid {gateway.proc.pid}  supervisor pid {supervisor}  {relays} relays"
+    assert f"gateway  {processes}" in summary
     last = status["restarts"][-1]
     assert f"  {last['reason']}  {last['strategy']}  engine {last['engine']}" in summary
     for phase in last["phases"]:  # one line per phase, its duration beside it; the total on the restart's line
@@ -417,6 +419,11 @@ def _ppid(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
+def _supervisor(gateway: Gateway) -> int:
+    """The supervisor's pid: the child of `warmgate serve` that starts the fork server, relays and spawned engines."""
+    return int(gateway.status()["supervisor"]["pid"])
+
+
 def _fork_server_pid(gateway: Gateway) -> int | None:
     """The gateway's fork server: its child titled so (forked engines take titles of their own; their parent is the
     fork server)."""
@@ -425,7 +432,7 @@ def _fork_server_pid(gateway: Gateway) -> int | None:
             try:
                 cmdline = (entry / "cmdline").read_bytes().split(b"\0")
                 title = b" ".join(cmdline)  # its process title (common/proctitle.py): "warmgate: fork server RUN_DIR"
-                if b"warmgate: fork server" in title and _ppid(int(entry.name)) == gateway.proc.pid:
+                if b"warmgate: fork server" in title and _ppid(int(entry.name)) == _supervisor(gateway):
                     return int(entry.name)
             except OSError:
                 continue
@@ -467,7 +474,7 @@ def test_a_reload_rotates_api_keys_without_a_restart(gateway: Gateway) -> None:
 
 def test_engines_are_forked_from_the_fork_server_and_spawned_while_it_is_gone(gateway: Gateway) -> None:
     forks = _fork_server_pid(gateway)
-    assert forks is not None and _ppid(forks) == gateway.proc.pid
+    assert forks is not None and _ppid(forks) == _supervisor(gateway)
 
     def fresh_restart(tokens: int) -> dict[str, Any]:  # another config: no standby matches, an engine starts
         return gateway.admin("POST", "/admin/restart", json={"engine": {"default_max_tokens": tokens}}).json()
@@ -478,7 +485,7 @@ def test_engines_are_forked_from_the_fork_server_and_spawned_while_it_is_gone(ga
     os.kill(forks, signal.SIGKILL)
     report = fresh_restart(254)
     assert report["ok"] and report["path"] == "spawn", report  # no fork server: the gateway spawns
-    assert _ppid(gateway.active_pid()) == gateway.proc.pid
+    assert _ppid(gateway.active_pid()) == _supervisor(gateway)
     deadline = time.monotonic() + 120
     while (_fork_server_pid(gateway) in (None, forks)) or not _listening(gateway.run_dir / "fork.sock"):
         assert time.monotonic() < deadline, "the fork server was not started again"
