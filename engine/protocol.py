@@ -15,9 +15,9 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    ValidationInfo,
     field_validator,
     model_serializer,
-    model_validator,
 )
 
 from engine.sampling_params import SamplingParams
@@ -152,14 +152,22 @@ class SamplingRequest(OpenAIModel):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     ignore_eos: bool = False  # extension
     user: str | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI's: refused unless empty (not honoured)
     warmgate_resume: Resume | None = None  # internal: set by the gateway only (it drops a client's)
 
     @field_validator("n")
     @classmethod
     def _only_one_choice(cls, n: int | None) -> int | None:
         if n not in (None, 1):
-            raise ValueError("only n=1 is supported")
+            raise ValueError("n other than 1 is not supported")
         return n
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        if bias:
+            raise ValueError("logit_bias is not supported")
+        return bias
 
     def stop_strings(self) -> list[str]:
         """The stop strings, empty ones dropped."""
@@ -194,12 +202,60 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    # OpenAI's parameters this server does not honour yet: refused (400 naming them) unless they ask for nothing, so
+    # that no client gets free text where it asked for JSON by schema or a tool call.
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
 
-    @model_validator(mode="after")
-    def _refuse_logprobs(self) -> ChatCompletionRequest:
-        if self.logprobs or self.top_logprobs:
+    @field_validator("logprobs", "top_logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: bool | int | None) -> bool | int | None:
+        if value:
             raise ValueError("logprobs are not supported")
-        return self
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, response_format: dict[str, Any] | None) -> dict[str, Any] | None:
+        if response_format is not None and response_format.get("type") != "text":
+            kind = response_format.get("type")
+            raise ValueError(f"response_format type {kind!r} is not supported (structured outputs are not "
+                             "implemented: the answer would not be held to it); only 'text'")  # fmt: skip
+        return response_format
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, tools: list[Any] | None) -> list[Any] | None:
+        if tools:
+            raise ValueError("tool calling is not supported (the model would answer in text, not call a tool)")
+        return tools
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(cls, choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+        if choice not in (None, "none"):
+            raise ValueError("tool calling is not supported: only 'none'")
+        return choice
+
+    @field_validator("prediction", "audio")
+    @classmethod
+    def _not_supported(cls, value: dict[str, Any] | None, info: ValidationInfo) -> dict[str, Any] | None:
+        if value is not None:
+            raise ValueError(f"{info.field_name} is not supported")
+        return value
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_modality(cls, modalities: list[str] | None) -> list[str] | None:
+        if modalities is not None and set(modalities) - {"text"}:
+            raise ValueError("modalities other than text are not supported")
+        return modalities
 
     def requested_max_tokens(self) -> int | None:
         """max_completion_tokens wins over the deprecated max_tokens, as in OpenAI's API."""
@@ -233,17 +289,33 @@ class CompletionRequest(SamplingRequest):
                 raise ValueError("only one prompt per request is supported")
         return prompt
 
-    @model_validator(mode="after")
-    def _refuse_unsupported(self) -> CompletionRequest:
-        if self.echo:
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, echo: bool) -> bool:
+        if echo:
             raise ValueError("echo is not supported")
-        if self.suffix:
+        return echo
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, suffix: str | None) -> str | None:
+        if suffix:
             raise ValueError("suffix is not supported")
-        if self.best_of not in (None, 1):
+        return suffix
+
+    @field_validator("best_of")
+    @classmethod
+    def _one_best(cls, best_of: int | None) -> int | None:
+        if best_of not in (None, 1):
             raise ValueError("only best_of=1 is supported")
-        if self.logprobs is not None:
+        return best_of
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, logprobs: int | None) -> int | None:
+        if logprobs is not None:
             raise ValueError("logprobs are not supported")
-        return self
+        return logprobs
 
 
 # --- responses --------------------------------------------------------------------------------------------------

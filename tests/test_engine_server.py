@@ -194,7 +194,7 @@ def test_concurrent_prompts_of_every_length_in_a_tight_kv_cache(model: Path, tmp
 BAD_REQUESTS = [
     ("/v1/chat/completions", {"temperature": 0}, 400, "messages"),
     ("/v1/chat/completions", {"messages": FRANCE, "temperature": -1}, 400, "temperature"),
-    ("/v1/chat/completions", {"messages": FRANCE, "n": 2}, 400, "n=1"),
+    ("/v1/chat/completions", {"messages": FRANCE, "n": 2}, 400, "n other than 1"),
     ("/v1/chat/completions", {"messages": FRANCE, "logprobs": True}, 400, "logprobs"),
     ("/v1/chat/completions", {"messages": FRANCE, "max_tokens": 5000}, 400, "maximum context length"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "text"),

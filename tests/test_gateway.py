@@ -307,6 +307,35 @@ def test_hostile_input_gets_openai_errors_never_a_5xx(gateway: Gateway) -> None:
     assert gateway.client().completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2).usage is not None
 
 
+NOT_HONOURED = {  # OpenAI parameters the engine does not act on yet: each must be refused, never silently ignored
+    "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
+    "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}],
+    "tool_choice": "required",
+    "logit_bias": {"42": 5},
+    "logprobs": True,
+    "top_logprobs": 2,
+    "n": 2,
+    "audio": {"voice": "alloy", "format": "wav"},
+    "modalities": ["text", "audio"],
+}
+
+
+@pytest.mark.parametrize("param", sorted(NOT_HONOURED))
+def test_a_parameter_that_is_not_honoured_is_refused_by_name(gateway: Gateway, param: str) -> None:
+    """Through the official client: a 400 whose param names the field, not a 200 with free text."""
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        gateway.client().chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=4,
+                                                 **{param: NOT_HONOURED[param]})  # type: ignore[call-overload]  # fmt: skip
+    body = refused.value.body
+    assert isinstance(body, dict) and body.get("param") == param and body.get("type") == "invalid_request_error", body
+    assert "not supported" in body["message"], body
+    # What asks for nothing is accepted: plain text, no tools.
+    plain = gateway.client().chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=2,
+                                                     response_format={"type": "text"}, tool_choice="none")  # fmt: skip
+    assert plain.choices[0].message.content is not None and not plain.choices[0].message.tool_calls
+
+
 def test_a_stopped_cache_process_stalls_neither_requests_nor_the_status_page(gateway: Gateway) -> None:
     cache_pid = gateway.admin("GET", "/admin/status").json()["cache"]["pid"]
     answers: list[httpx.Response] = []
