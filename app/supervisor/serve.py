@@ -145,6 +145,7 @@ async def _serve(settings: Settings, config_path: Path | None, overrides: dict[s
     reconciler: Reconciler | None = None
     relays: Relays | None = None
     tasks: list[asyncio.Task[Any]] = []
+    adopted: list[int] = []  # the ids of the engines taken over from an earlier supervisor
 
     async def start() -> None:
         nonlocal supervisor, cache, reconciler, relays
@@ -177,6 +178,7 @@ async def _serve(settings: Settings, config_path: Path | None, overrides: dict[s
         reconciler = Reconciler(run_dir, r, launcher, metrics, on_routing, generation, on_change)
         supervisor = Supervisor(settings, config_path, overrides, model, cache, reconciler, metrics, token)
         tasks.extend(await adopt_engines(earlier, launcher, reconciler, r.drain_timeout))
+        adopted.extend(sorted(reconciler.engines))
         if earlier is not None:
             supervisor.engine_overrides = earlier.engine_overrides
             supervisor.continue_from(earlier.table_generation, reconciler.routing())
@@ -219,7 +221,7 @@ async def _serve(settings: Settings, config_path: Path | None, overrides: dict[s
             gc.collect()
             gc.freeze()
             log_event(log, "ready", url=url, model=model, run_dir=run_dir, relays=settings.gateway.relay_count(),
-                      adopted=[e.id for e in reconciler.engines.values()] if earlier and reconciler else [],
+                      adopted=adopted,
                       seconds=time.perf_counter() - started)  # fmt: skip
             os.write(ready_fd, b"1")
             os.close(ready_fd)
