@@ -128,6 +128,10 @@ def busy_then_at_rest(gateway: Gateway, backend: str, max_tokens: int) -> None:
             await _until(lambda: engine_health(gateway)["running"] == MAX_NUM_SEQS, streams,
                          f"the engine running {MAX_NUM_SEQS} sequences (its /health)")  # fmt: skip
             await _check_busy(gateway, backend)
+            # Saturated (requests wait in the engine and in the relays) and still ready: /ready asks the engine
+            # nothing, so it does not queue behind them (a 1-token probe there would wait for a 1000-token answer).
+            ready = await asyncio.to_thread(httpx.get, f"{gateway.url}/ready", timeout=5)
+            assert ready.status_code == 200 and ready.json()["status"] == "ready", ready.text
         finally:
             for task in streams:
                 task.cancel()

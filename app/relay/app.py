@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import secrets
 from typing import Any
 
@@ -27,11 +28,12 @@ from app.relay.openapi import document_bodies
 from app.relay.relay import Relay, ResponseSink
 from app.relay.table import TableView
 from app.relay.upstream import EngineUnreachable, StreamCut, request_head
+from common.heartbeat import Heartbeat, beside
 from engine.protocol import ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse
 
 RELAYED = (COMPLETIONS, CHAT)
-READY_PROBE = json.dumps({"prompt": "Hi", "max_tokens": 1}).encode()
-READY_TIMEOUT_S = 30.0
+READY_TIMEOUT_S = 30.0  # for the active engine's model list
+READY_SILENCE_S = 10.0  # an active engine whose heartbeat is older is not ready (restart.health_timeout's default)
 
 
 def openai_error(status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
@@ -150,6 +152,18 @@ class _Relayed(Response):
         await self.handler(scope, receive, send)
 
 
+def _silence(engine_socket: str) -> float:
+    """Seconds since the engine's heartbeat last moved (infinite: no heartbeat file)."""
+    try:
+        heartbeat = Heartbeat(beside(engine_socket))
+    except (OSError, ValueError):
+        return math.inf
+    try:
+        return heartbeat.silent_for()
+    finally:
+        heartbeat.close()
+
+
 def create_api(table: TableView, relay: Relay, link: SupervisorLink, relayed: ASGIApp) -> FastAPI:
     """The FastAPI app of a relay: every route but the relayed requests themselves."""
     app = FastAPI(title="warmgate", docs_url=None, redoc_url=None)
@@ -201,14 +215,19 @@ def create_api(table: TableView, relay: Relay, link: SupervisorLink, relayed: AS
 
     @app.get("/ready")
     async def ready() -> Response:
-        """Ready once the active engine answers a real 1-token generation."""
-        probed = table.active  # the engine ask_active asks: under load its answer may come after a restart
-        answer = await ask_active("POST", COMPLETIONS, READY_PROBE, READY_TIMEOUT_S)
-        if isinstance(answer, str):
-            return openai_error(503, answer, "service_unavailable")
-        if answer[0] != 200:
-            return openai_error(503, f"the active engine answered {answer[0]}", "service_unavailable")
-        assert probed is not None
+        """Ready while there is an active engine that makes progress. The supervisor makes an engine active only
+        once it answered a real 1-token generation; from then on its heartbeat says whether it makes progress
+        (common/heartbeat.py). The engine is asked nothing: a probe would wait in a saturated engine's queue
+        (24 s measured on CPU) and take a busy pod out of its Service, the one thing a router must not do."""
+        probed = table.active
+        if probed is None:
+            cache = table.table.cache_down if table.table is not None else None
+            return openai_error(503, f"no active engine ({cache})" if cache else "no active engine",
+                                "service_unavailable")  # fmt: skip
+        silent = _silence(probed.socket)
+        if silent > READY_SILENCE_S:
+            return openai_error(503, f"the active engine has made no progress for {silent:.1f} s",
+                                "service_unavailable")  # fmt: skip
         cache = table.table.cache_down if table.table is not None else None
         # Engines serve on their mappings while the cache process restarts: ready, and saying so.
         return JSONResponse({"status": "ready", "engine": probed.id, "cache": cache or "ok"})
