@@ -55,7 +55,7 @@ ACK_TIMEOUT_S = 1.0  # a relay that has not acknowledged a table by then is not 
 START_TIMEOUT_S = 60.0  # for a relay to connect and take its first table
 BACKLOG = 4096  # connections the kernel queues for the relays to accept (a burst of clients at once)
 BOARD_SLOTS = 64  # relays at once, old and new of an upgrade together (gateway.workers is at most half)
-ADOPT_WAIT_S = 3.0  # for an earlier supervisor's relays to connect (they try every 0.1 s)
+ADOPT_WAIT_S = 5.0  # for an earlier supervisor's relays to connect (they try every 0.1 s)
 
 AdminHandler = Callable[[str, dict[str, Any]], Awaitable[tuple[int, dict[str, Any]]]]
 
@@ -112,6 +112,7 @@ class Relays:
         self._backoff = Backoff(0.5, 30.0)
         self._stopping = False
         self._channels: set[asyncio.Task[Any]] = set()  # one task per relay connection
+        self._started = False  # start() has decided which relays to keep: a relay adopted later is one too many
 
     async def start(self, table: Table, *, adopt: bool = False, upgrade: bool = False) -> None:
         """Serve the control channel and return once ``count`` relays serve with the table. ``adopt``: an earlier
@@ -132,6 +133,7 @@ class Relays:
         retire = old if upgrade else sorted(old, key=lambda r: r.index)[self.count :]
         for relay in retire:
             self._retire(relay)
+        self._started = True
         if adopt:
             log_event(log, "relays_adopted", kept=len(old) - len(retire), started=len(new), retiring=len(retire),
                       upgrade=upgrade)  # fmt: skip
@@ -271,6 +273,9 @@ class Relays:
                 relay = self._adopt(hello)
                 if relay is None:
                     return
+                if self._started and len(self.relays) > self.count:  # late: another was started in its place
+                    log_warning(log, "relay_late", relay=hello.relay, pid=hello.pid)
+                    self._retire(relay)
             elif relay.pid != hello.pid:
                 raise BadMessage(f"relay slot {hello.relay} is pid {relay.pid}'s, not {hello.pid}'s")
             if hello.listener != self.listener_id:  # it accepts on a socket that is not the gateway's any more

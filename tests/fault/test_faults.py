@@ -371,9 +371,13 @@ def _adopted(suite: Suite, before: dict[str, Any], supervisor: int) -> dict[str,
     ones that ran before (adopted: none started anew)."""
 
     def answered() -> dict[str, Any] | None:
+        # A new supervisor answers admin calls as soon as one relay has said hello: the others may still be on
+        # their way (they try every 0.1 s), so it is waited for until it knows as many relays as ran before.
         with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
             status = suite.gateway.status()
-            if status["supervisor"]["pid"] != supervisor and all(r["connected"] for r in status["relays"]):
+            relays = status["relays"]
+            if status["supervisor"]["pid"] != supervisor and len(relays) == len(before["relays"]) and \
+                    all(r["connected"] for r in relays):  # fmt: skip
                 return status
         return None
 
