@@ -451,7 +451,7 @@ def test_kill_9_of_warmgate_serve_then_serve_again_refuses_nothing(suite: Suite)
     old.proc.kill()
     old.proc.wait()
     wait_for(lambda: not pid_alive(supervisor), 30, "the supervisor outlived warmgate serve")
-    time.sleep(2.0)  # nothing supervises meanwhile: the relays and engines serve alone
+    suite.load.wait_for_more(4, after=time.monotonic())  # served while nothing supervises: relays and engines alone
     _serve_again(suite)
     _adopted(suite, before, supervisor)
     recovered = time.monotonic()
@@ -479,7 +479,7 @@ def test_a_relay_killed_while_no_supervisor_runs_is_replaced_by_the_next(suite: 
     wait_for(lambda: not pid_alive(status["supervisor"]["pid"]), 30, "the supervisor outlived warmgate serve")
     injected = time.monotonic()
     os.kill(relays[victim], signal.SIGKILL)
-    time.sleep(1.0)
+    wait_for(lambda: not pid_alive(relays[victim]), 30, "the killed relay exited")
     _serve_again(suite)
 
     def replaced() -> dict[int, int] | None:
