@@ -232,3 +232,28 @@ def test_the_relay_state_of_a_request_follows_the_internal_stream() -> None:
         with pytest.raises(InvalidRequest) as refused:
             InFlight.of("/v1/completions", {"prompt": "x", **bad})
         assert refused.value.param == param
+
+
+def test_a_dead_engine_that_the_table_still_names_uses_up_no_resume(gateway: Gateway) -> None:
+    """A request sent to an engine that is gone (nothing accepts on its socket) lost nothing there: it waits for
+    the table to move on, however long the supervisor takes, and does not use up its resumes. Here the supervisor
+    is stopped while the active engine dies, for longer than the request's resumes would last at one a second."""
+    client = _client(gateway)
+    kind, body = _requests()[1]
+    expected = _whole(client, kind, body)
+    wait_for(lambda: gateway.status()["standbys"], 120, "a standby was not ready")
+    status = gateway.status()
+    supervisor, crashes = status["supervisor"]["pid"], _crashes(gateway)
+    answers: list[Any] = []
+    os.kill(supervisor, signal.SIGSTOP)
+    try:
+        os.kill(next(e["pid"] for e in status["engines"] if e["id"] == status["active"]), signal.SIGKILL)
+        thread = threading.Thread(target=lambda: answers.append(_whole(client, kind, body)))
+        thread.start()
+        thread.join(timeout=RESUMES + 3.0)  # a resume per MOVE_WAIT_S (1 s) would have failed it by now
+        assert thread.is_alive() and not answers, answers
+    finally:
+        os.kill(supervisor, signal.SIGCONT)
+    thread.join(timeout=120)
+    assert answers == [expected]
+    wait_for(lambda: _crashes(gateway) > crashes, 60, "the dead engine was not replaced")

@@ -6,8 +6,9 @@ passed to the client as they come. If the engine fails (its socket errors, the s
 the request with ``engine_stopped``), the relay tells the supervisor, waits briefly for the table to move
 to another engine, and sends the request there with what the client already has (app/relay/inflight.py),
 at most ``request_resumes`` times; after that a stream ends with an error event in the OpenAI shape and
-``[DONE]``, never a hang. An engine that answers 503 because it began draining did not fail: the request
-goes to the next engine without using up a resume.
+``[DONE]``, never a hang. An engine that answers 503 because it began draining did not fail, nor did one
+that was gone before the request reached it (nothing accepts on its socket): the request goes to the next
+engine without using up a resume, waiting for one at most ``queue_timeout``.
 
 Each attempt ends in a value (``Streamed``, ``Answered``, ``Failed``); what the client gets follows from
 it in one place (``Relay.serve``).
@@ -28,7 +29,7 @@ from app.metrics import RelayMetrics
 from app.relay.admission import RETRY_AFTER_S, Admission, Refusal
 from app.relay.inflight import EngineStopped, InFlight, error_event
 from app.relay.table import TableView
-from app.relay.upstream import EngineConnection, EnginePool, EngineUnreachable, StreamCut, request_head
+from app.relay.upstream import EngineConnection, EngineGone, EnginePool, EngineUnreachable, StreamCut, request_head
 from common.events import log_event
 from engine.protocol import RESUMABLE_HEADER, ErrorInfo, ErrorResponse
 
@@ -56,10 +57,12 @@ class Answered:
 
 @dataclass(frozen=True)
 class Failed:
-    """The engine failed the request before it ended; ``draining``: it refused it because it is draining."""
+    """The engine failed the request before it ended. ``draining``: it refused it because it is draining;
+    ``reached``: false when nothing reached the engine (it was gone before the request was sent)."""
 
     why: str
     draining: bool = False
+    reached: bool = True
 
 
 Outcome = Streamed | Answered | Failed
@@ -148,9 +151,15 @@ class Relay:
                 else:
                     await self._finished(request, sink)
                 return
-            if outcome.draining:  # not a failure: the next engine takes it, no resume used
+            if not outcome.reached:
+                self.report_failure(slot.engine.id, outcome.why)
+            if outcome.draining or not outcome.reached:
+                # Nothing of the request was lost there: the next engine takes it, no resume used. (A request
+                # that meets a dead engine until the supervisor moves the table on must not use up its resumes:
+                # on a busy machine that takes seconds.)
                 if time.monotonic() > deadline:
-                    await self._unavailable(request, sink, "the engines kept draining (queue_timeout)")
+                    why = "the engines kept draining" if outcome.draining else f"no engine answered ({outcome.why})"
+                    await self._unavailable(request, sink, f"{why} for {settings.queue_timeout:.0f}s (queue_timeout)")
                     return
                 await self.table.moved_past(slot.engine.id, MOVE_WAIT_S)
                 continue
@@ -174,6 +183,8 @@ class Relay:
         connection: EngineConnection | None
         try:
             connection = await self.pool.send(engine.socket, head)
+        except EngineGone as exc:
+            return Failed(str(exc), reached=False)
         except EngineUnreachable as exc:
             return Failed(str(exc))
         try:

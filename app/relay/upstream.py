@@ -25,6 +25,10 @@ class EngineUnreachable(Exception):
     """The exchange failed before any response arrived (no engine on the socket, or it closed the connection)."""
 
 
+class EngineGone(EngineUnreachable):
+    """Nothing accepts connections on the engine's socket (it died, or was retired): the request did not reach it."""
+
+
 class StreamCut(Exception):
     """The engine's connection closed in the middle of a response."""
 
@@ -178,7 +182,7 @@ class EnginePool:
         try:
             _, connection = await loop.create_unix_connection(EngineConnection, socket)
         except OSError as exc:
-            raise EngineUnreachable(f"cannot connect to {socket}: {exc.strerror or exc}") from None
+            raise EngineGone(f"cannot connect to {socket}: {exc.strerror or exc}") from None
         try:
             await connection.exchange(request)
         except BaseException:

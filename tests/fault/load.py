@@ -266,6 +266,15 @@ class Load:
         """Requests that were in flight at some moment of [t0, t1]."""
         return [o for o in list(self.outcomes) if o.end >= t0 and o.start <= t1]
 
+    def in_flight(self) -> dict[int, float]:
+        """Client -> how many seconds its request in flight has been so (clients waiting for an answer now)."""
+        now = time.monotonic()
+        return {client: round(now - started, 1) for client, started in list(self._current.items()) if started}
+
+    def served_since(self, t0: float) -> set[int]:
+        """The clients that got a whole answer to a request sent after ``t0``."""
+        return {o.client for o in list(self.outcomes) if o.start >= t0 and o.ok}
+
     def within(self, t0: float, t1: float) -> list[Outcome]:
         """Requests that started and ended inside [t0, t1]."""
         return [o for o in list(self.outcomes) if o.start >= t0 and o.end <= t1]

@@ -146,12 +146,32 @@ def _log_since(path: Path, offset: int) -> str:
         return log.read().decode(errors="replace")
 
 
+def _every_client_served(s: Suite, seconds: float = 60) -> None:
+    """Wait until every load client has had an answer to a request sent from now on: none is stuck (a fault
+    test's window only sees the requests that ended, so one left hanging by an earlier fault shows here)."""
+    since = time.monotonic()
+    clients = set(range(s.load.clients))
+    deadline = since + seconds
+    while (served := s.load.served_since(since)) != clients:
+        s.load.check()
+        assert time.monotonic() < deadline, (f"clients {sorted(clients - served)} got no answer within {seconds:.0f} "
+                                             f"s; waiting (client: seconds): {s.load.in_flight()}")  # fmt: skip
+        time.sleep(0.1)
+
+
+def _ready_for_fault(s: Suite) -> int:
+    """A standby is ready and every client is being served: the state each fault is injected in."""
+    standby = _standby_ready(s)
+    _every_client_served(s)
+    return standby
+
+
 def _standby_ready(s: Suite) -> int:
     return int(wait_for(lambda: next(iter(s.gateway.status()["standbys"]), None), 120, "a standby was not ready"))
 
 
 def test_kill_9_of_the_active_engine(suite: Suite) -> None:
-    standby = _standby_ready(suite)
+    standby = _ready_for_fault(suite)
     crashes = len(suite.restarts("crash"))
     injected = time.monotonic()
     os.kill(suite.gateway.active_pid(), signal.SIGKILL)
@@ -164,7 +184,7 @@ def test_kill_9_of_the_active_engine(suite: Suite) -> None:
 
 
 def test_kill_9_of_a_draining_engine(suite: Suite) -> None:
-    _standby_ready(suite)
+    _ready_for_fault(suite)
     old = suite.gateway.active_pid()
     done: list[httpx.Response] = []
     restart = threading.Thread(target=lambda: done.append(suite.gateway.admin("POST", "/admin/restart")))
@@ -184,7 +204,7 @@ def test_kill_9_of_a_draining_engine(suite: Suite) -> None:
 
 
 def test_a_stopped_engine_is_replaced_within_the_health_timeout(suite: Suite) -> None:
-    _standby_ready(suite)
+    _ready_for_fault(suite)
     crashes = len(suite.restarts("crash"))
     hung = suite.gateway.active_pid()
     injected = time.monotonic()
@@ -206,7 +226,7 @@ def test_a_stopped_supervisor_stalls_no_request_and_kills_no_engine(suite: Suite
     """Relays and engines serve without the supervisor, and an engine's liveness is read from the heartbeats it
     stamps: a supervisor stopped for longer than health_timeout stalls no request, and once it runs again it
     finds fresh heartbeats and kills no engine."""
-    _standby_ready(suite)
+    _ready_for_fault(suite)
     status = suite.gateway.status()
     supervisor = status["supervisor"]["pid"]
     assert status["supervisor"]["serve_pid"] == suite.gateway.proc.pid, status["supervisor"]
@@ -233,7 +253,8 @@ def test_a_stopped_supervisor_stalls_no_request_and_kills_no_engine(suite: Suite
     held = [o for o in stopped if o.start <= injected and o.end >= resumed]  # in flight through the whole stop
     assert not held, f"{len(held)} requests were held until SIGCONT: {held[:3]}"
     assert {o.client for o in served} == set(range(suite.load.clients)), \
-        f"a client got nothing while the supervisor was stopped: {summary(stopped)}"  # fmt: skip
+        (f"a client got nothing while the supervisor was stopped: {summary(stopped)}; waiting now (client: "
+         f"seconds): {suite.load.in_flight()}; status: {suite.gateway.status()}")  # fmt: skip
     suite.record(f"SIGSTOP of the supervisor for {SUPERVISOR_STOP:.0f} s", injected, resumed,
                  lost="nothing: relays and engines served on; no engine was killed after SIGCONT",
                  served_while_stopped=len(served))  # fmt: skip
@@ -243,7 +264,7 @@ def test_kill_9_of_a_relay_loses_only_its_own_connections(suite: Suite) -> None:
     """A relay holds only the connections it accepted: a kill -9 loses the requests in flight on them, the
     supervisor starts another relay, and new connections are served by the others meanwhile (they all accept
     on the one listening socket)."""
-    _standby_ready(suite)
+    _ready_for_fault(suite)
     status = suite.gateway.status()
     relays = {r["index"]: r for r in status["relays"]}
     assert relays, status
@@ -286,7 +307,7 @@ def test_kill_9_of_a_relay_loses_only_its_own_connections(suite: Suite) -> None:
 
 
 def test_an_engine_that_cannot_start_leaves_the_old_one_serving(suite: Suite) -> None:
-    _standby_ready(suite)
+    _ready_for_fault(suite)
     active = suite.gateway.status()["active"]
     injected = time.monotonic()
     # A KV cache of one byte cannot hold one sequence: the engine refuses to start, on any machine (a KV cache too
@@ -302,7 +323,7 @@ def test_an_engine_that_cannot_start_leaves_the_old_one_serving(suite: Suite) ->
 
 
 def test_a_reload_during_a_restart_and_two_restarts_at_once(suite: Suite) -> None:
-    _standby_ready(suite)
+    _ready_for_fault(suite)
     suite.gateway.config.write_text(_config(suite.model, max_num_seqs=3))  # type: ignore[union-attr]
     answers: dict[str, httpx.Response] = {}
     calls = {"restart": ("POST", "/admin/restart"), "reload": ("POST", "/admin/reload"),
@@ -323,7 +344,7 @@ def test_a_reload_during_a_restart_and_two_restarts_at_once(suite: Suite) -> Non
 
 
 def test_kill_9_of_the_cache_process(suite: Suite) -> None:
-    _standby_ready(suite)
+    _ready_for_fault(suite)
     before = suite.gateway.status()["cache"]
     ready: list[int] = []
     stop = threading.Event()
@@ -348,7 +369,7 @@ def test_kill_9_of_the_cache_process(suite: Suite) -> None:
     assert after["pid"] != before["pid"] and after["key"] == before["key"], after
     assert not Path(before["socket"]).exists(), "the dead cache's socket was left in the run dir"
     assert report["weight_source"] == "ipc", report  # the new engine attached the new cache, no disk read
-    _standby_ready(suite)
+    _ready_for_fault(suite)
     wait_for(lambda: len(suite.gateway.status()["cache"]["leases"]) == 2, 60, "engines not all on the new cache")
     assert ready and set(ready) == {200}, ready  # serving went on: engines keep the dead cache's mappings
     suite.record("kill -9 of the cache process", injected, recovered,
@@ -389,7 +410,7 @@ def _adopted(suite: Suite, before: dict[str, Any], supervisor: int) -> dict[str,
 def test_kill_9_of_the_supervisor_is_repaired_by_adoption(suite: Suite) -> None:
     """The supervisor (control plane) dies: relays and engines serve on, `warmgate serve` starts another, and it
     adopts everything that runs. No request fails and no engine is started anew."""
-    _standby_ready(suite)
+    _ready_for_fault(suite)
     status = suite.gateway.status()
     before, supervisor = _running(status), status["supervisor"]["pid"]
     log_from = suite.gateway.log_path.stat().st_size
@@ -407,7 +428,7 @@ def test_kill_9_of_the_supervisor_is_repaired_by_adoption(suite: Suite) -> None:
 def test_an_upgrade_replaces_the_gateways_processes_under_load(suite: Suite) -> None:
     """`warmgate upgrade`: `warmgate serve` re-executes itself (same pid), a new supervisor adopts the engines and
     the cache, starts new relays on the same socket and drains the old ones: no request fails."""
-    _standby_ready(suite)
+    _ready_for_fault(suite)
     status = suite.gateway.status()
     before = _running(status)
     injected = time.monotonic()
@@ -442,7 +463,7 @@ def test_kill_9_of_warmgate_serve_then_serve_again_refuses_nothing(suite: Suite)
     """`warmgate serve` itself dies (its supervisor with it): the relays keep accepting on the socket and the
     engines keep serving; `warmgate serve` again takes the socket over from a relay and adopts everything. No
     connection is refused, no request fails, no engine starts anew, and the model is not read again."""
-    _standby_ready(suite)
+    _ready_for_fault(suite)
     old = suite.gateway
     status = old.status()
     before, supervisor = _running(status), status["supervisor"]["pid"]
@@ -467,7 +488,7 @@ def test_kill_9_of_warmgate_serve_then_serve_again_refuses_nothing(suite: Suite)
 def test_a_relay_killed_while_no_supervisor_runs_is_replaced_by_the_next(suite: Suite) -> None:
     """With `warmgate serve` gone, a relay is killed: only its own connections are lost; the next supervisor
     adopts the other relays and starts a new one in its place."""
-    _standby_ready(suite)
+    _ready_for_fault(suite)
     old = suite.gateway
     status = old.status()
     relays = {r["index"]: r["pid"] for r in status["relays"]}
@@ -503,7 +524,7 @@ def test_warmgate_stop_stops_a_gateway_whose_serve_is_gone(suite: Suite) -> None
     """`warmgate stop --run-dir` stops what a killed `warmgate serve` left running, in order, and leaves nothing."""
     from common.processes import gateway_processes
 
-    _standby_ready(suite)
+    _ready_for_fault(suite)
     gateway = suite.gateway
     suite.load.stop()
     gateway.proc.kill()
