@@ -20,7 +20,7 @@ from pydantic import (
     model_serializer,
 )
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 FinishReason = Literal["stop", "length"]
 
@@ -178,6 +178,10 @@ class SamplingRequest(OpenAIModel):
         """The completion length the client asked for, if any."""
         return self.max_tokens
 
+    def requested_logprobs(self) -> int | None:
+        """How many alternatives each token's logprobs list, if the client asked for logprobs."""
+        return None
+
     def include_usage(self) -> bool:
         """Whether a stream should end with a usage chunk."""
         return self.stream_options is not None and self.stream_options.include_usage
@@ -194,6 +198,7 @@ class SamplingRequest(OpenAIModel):
             frequency_penalty=self.frequency_penalty or 0.0,
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
+            logprobs=self.requested_logprobs(),
         )
 
 
@@ -201,7 +206,7 @@ class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # OpenAI's parameters this server does not honour yet: refused (400 naming them) unless they ask for nothing, so
     # that no client gets free text where it asked for JSON by schema or a tool call.
     response_format: dict[str, Any] | None = None
@@ -213,12 +218,12 @@ class ChatCompletionRequest(SamplingRequest):
     audio: dict[str, Any] | None = None
     modalities: list[str] | None = None
 
-    @field_validator("logprobs", "top_logprobs")
+    @field_validator("top_logprobs")
     @classmethod
-    def _no_logprobs(cls, value: bool | int | None) -> bool | int | None:
-        if value:
-            raise ValueError("logprobs are not supported")
-        return value
+    def _with_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
+        if top and not info.data.get("logprobs"):
+            raise ValueError("logprobs must be true when top_logprobs is used")
+        return top
 
     @field_validator("response_format")
     @classmethod
@@ -261,6 +266,9 @@ class ChatCompletionRequest(SamplingRequest):
         """max_completion_tokens wins over the deprecated max_tokens, as in OpenAI's API."""
         return self.max_completion_tokens or self.max_tokens
 
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def template_messages(self) -> list[dict[str, Any]]:
         """Messages as the chat template expects them: role and string content."""
         out: list[dict[str, Any]] = []
@@ -277,7 +285,7 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @field_validator("prompt")
     @classmethod
@@ -310,12 +318,8 @@ class CompletionRequest(SamplingRequest):
             raise ValueError("only best_of=1 is supported")
         return best_of
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, logprobs: int | None) -> int | None:
-        if logprobs is not None:
-            raise ValueError("logprobs are not supported")
-        return logprobs
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 # --- responses --------------------------------------------------------------------------------------------------
@@ -336,6 +340,31 @@ class Usage(OpenAIModel):
         )
 
 
+class TopLogprob(OpenAIModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(OpenAIModel):
+    """A chat choice's logprobs: one entry per token of its content."""
+
+    content: list[ChatTokenLogprob] | None = None
+
+
+class CompletionLogprobs(OpenAIModel):
+    """A text completion choice's logprobs, in the legacy shape: parallel lists, one entry per token."""
+
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
+
+
 class AssistantMessage(OpenAIModel):
     role: Literal["assistant"] = "assistant"
     content: str
@@ -345,7 +374,7 @@ class ChatCompletionChoice(OpenAIModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: FinishReason | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(OpenAIModel):
@@ -377,7 +406,7 @@ class ChatCompletionChunkChoice(OpenAIModel):
     index: int = 0
     delta: DeltaMessage
     finish_reason: FinishReason | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(OpenAIModel):
@@ -399,7 +428,7 @@ class CompletionChoice(OpenAIModel):
     index: int = 0
     text: str
     finish_reason: FinishReason | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(OpenAIModel):

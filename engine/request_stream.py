@@ -22,12 +22,23 @@ Item = TypeVar("Item")  # what a backend queues for its thread (a native Sequenc
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """A sampled token's log-probability and the most likely alternatives, (id, logprob) best first, in the
+    distribution it was drawn from: the logits after penalties, temperature, top-k and top-p, as vLLM's
+    ``processed_logprobs`` (a greedy request's is the plain softmax)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     """One step of a request: a new token, and/or the reason it finished."""
 
     token_id: int | None  # None only on a final event that carries no token (abort, error)
     finish_reason: str | None = None  # "stop" (eos / stop token), "length", "abort", "error"
     error: str | None = None
+    logprobs: TokenLogprobs | None = None  # when the request asked for them
 
 
 class RequestStream:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20  # the most alternatives a token's logprobs may list (OpenAI's top_logprobs limit)
+LOGPROB_FLOOR = -9999.0  # reported for a token the sampler could not pick (cut by top-k or top-p), as vLLM does
+
 
 @dataclass
 class SamplingParams:
@@ -16,6 +19,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     stop_token_ids: list[int] = field(default_factory=list)  # besides the model's eos
     ignore_eos: bool = False
+    logprobs: int | None = None  # report each token's logprob and this many most likely alternatives (None: none)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -26,6 +30,8 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError("top_k must be >= 0 (0 disables it)")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}]")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2]")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import time
@@ -26,16 +27,15 @@ from starlette.types import Receive, Scope, Send
 from engine.protocol import (
     RESUMABLE_HEADER,
     SSE_INTERNAL,
-    AssistantMessage,
-    ChatCompletionChoice,
     ChatCompletionChunk,
     ChatCompletionChunkChoice,
     ChatCompletionRequest,
-    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatTokenLogprob,
     CompletionChoice,
     CompletionChunk,
+    CompletionLogprobs,
     CompletionRequest,
-    CompletionResponse,
     DeltaMessage,
     DrainReport,
     DrainRequest,
@@ -48,16 +48,18 @@ from engine.protocol import (
     ModelList,
     Resume,
     SamplingRequest,
+    TopLogprob,
     Usage,
     WeightsInfo,
     random_id,
 )
+from engine.responses import assemble
 from engine.tokenizer import ChatTemplateError, ChatTokenizer
 
 if TYPE_CHECKING:
     from common.heartbeat import Heartbeat
     from engine.config import EngineConfig
-    from engine.request_stream import RequestStream
+    from engine.request_stream import RequestStream, TokenLogprobs
     from engine.sampling_params import SamplingParams
     from engine.weights import WeightOrigin
 
@@ -177,6 +179,7 @@ class Delta:
     text: str
     finish_reason: FinishReason | None = None
     token_ids: tuple[int, ...] = ()
+    logprobs: tuple[tuple[int, TokenLogprobs], ...] = ()  # of the shown tokens consumed, when they were asked for
 
 
 class EngineFailure(Exception):
@@ -212,11 +215,14 @@ class TextGeneration:
         # A stop string is recognised only once complete, so a stream keeps back its longest possible prefix.
         self._holdback = max((len(s) for s in stop), default=1) - 1
         self._pending = ""
+        self.text_offset: int | None = None  # where the next token's text begins, for completion logprobs
+        self.resumed_ids: list[int] = []  # the tokens another engine generated (a resume)
         if resume is not None:
             self.request_id, self.created = resume.id, resume.created
             text = "".join(self._decoder.add(token) for token in resume.output_ids)
             self.completion_tokens, self.chars = len(resume.output_ids), resume.chars
             self._pending = text[resume.chars :]
+            self.resumed_ids = list(resume.output_ids)
 
     def close(self) -> None:
         """Cancel the engine request if it is still running (client gone, response abandoned)."""
@@ -226,7 +232,7 @@ class TextGeneration:
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """Text as it is generated; the last Delta carries the finish reason ("stop" or "length")."""
-        pending, ids = self._pending, []
+        pending, ids, logprobs = self._pending, [], []
         async for event in self.stream:
             if event.finish_reason == "error":
                 self.finished = True
@@ -239,39 +245,32 @@ class TextGeneration:
                 ids.append(event.token_id)
                 if not (event.finish_reason == "stop" and event.token_id in self._hidden_ids):
                     pending += self._decoder.add(event.token_id)
+                    if event.logprobs is not None:
+                        logprobs.append((event.token_id, event.logprobs))
             if event.finish_reason is not None:
                 pending += self._decoder.flush()
             cut = self._find_stop(pending)
             if cut is not None:
                 self.close()
-                yield self._delta(pending[:cut], "stop", ids)
+                yield self._delta(pending[:cut], "stop", ids, logprobs)
                 return
             if event.finish_reason is not None:
                 self.finished = True
-                yield self._delta(pending, "length" if event.finish_reason == "length" else "stop", ids)
+                yield self._delta(pending, "length" if event.finish_reason == "length" else "stop", ids, logprobs)
                 return
             ready = len(pending) - self._holdback
             if ready > 0:
-                yield self._delta(pending[:ready], None, ids)
-                pending, ids = pending[ready:], []
+                yield self._delta(pending[:ready], None, ids, logprobs)
+                pending, ids, logprobs = pending[ready:], [], []
 
-    def _delta(self, text: str, finish: FinishReason | None, ids: list[int]) -> Delta:
+    def _delta(self, text: str, finish: FinishReason | None, ids: list[int],
+               logprobs: list[tuple[int, TokenLogprobs]]) -> Delta:  # fmt: skip
         self.chars += len(text)
-        return Delta(text, finish, tuple(ids))
+        return Delta(text, finish, tuple(ids), tuple(logprobs))
 
     def _find_stop(self, text: str) -> int | None:
         hits = [i for i in (text.find(s) for s in self._stop) if i >= 0]
         return min(hits) if hits else None
-
-    async def collect(self) -> tuple[str, FinishReason]:
-        """The whole text and the finish reason."""
-        parts: list[str] = []
-        finish: FinishReason = "stop"
-        async for delta in self.deltas():
-            parts.append(delta.text)
-            finish = delta.finish_reason or finish
-        return "".join(parts), finish
-
 
 class _TrackedStreamingResponse(StreamingResponse):
     """An SSE response that runs on_close however it ends: finished, client gone, or never started."""
@@ -396,24 +395,54 @@ class EngineAPI:
         """The SSE response of an admitted request; it releases the request however the stream ends."""
         return _TrackedStreamingResponse(events, on_close=lambda: self.release(generation))
 
-    async def collect(self, generation: TextGeneration, raw: Request) -> tuple[str, FinishReason]:
-        """Text and finish reason of an admitted request, released when done.
+    async def whole(self, generation: TextGeneration, events: AsyncIterator[str], raw: Request,
+                    chat: bool) -> JSONResponse:  # fmt: skip
+        """The whole response of an admitted request, assembled from its stream's events; released when done.
 
         A client that hangs up (a timeout, say) cancels the request: the engine stops generating for it.
         """
-        work = asyncio.ensure_future(generation.collect())
+
+        async def chunks() -> list[dict[str, object]]:
+            return [json.loads(event[6 : event.index("\n")]) async for event in events if event.startswith("data: {")]
+
+        work = asyncio.ensure_future(chunks())
         gone = asyncio.ensure_future(_disconnected(raw))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
             if not work.done():
                 work.cancel()
                 raise ClientGone()
-            return work.result()
-        except EngineFailure as exc:
-            raise exc.api_error from exc
+            status, body = assemble(chat, work.result(), generation.request_id, generation.created, self.model_name,
+                                    self.usage(generation))  # fmt: skip
+            return JSONResponse(body, status_code=status)
         finally:
             gone.cancel()
             self.release(generation)
+
+    def chat_logprobs(self, delta: Delta) -> ChatLogprobs:
+        """A chat chunk's logprobs: each shown token of the delta, with its alternatives."""
+        text, raw = self.tokenizer.token_text, self.tokenizer.token_bytes
+        return ChatLogprobs(content=[
+            ChatTokenLogprob(token=text(token), logprob=lp.logprob, bytes=list(raw(token)),
+                             top_logprobs=[TopLogprob(token=text(t), logprob=v, bytes=list(raw(t))) for t, v in lp.top])
+            for token, lp in delta.logprobs
+        ])  # fmt: skip
+
+    def completion_logprobs(self, generation: TextGeneration, delta: Delta) -> CompletionLogprobs:
+        """A text completion chunk's logprobs, in the legacy shape; ``top_logprobs`` holds the sampled token too,
+        as OpenAI's and vLLM's do, and ``text_offset`` counts the tokens' text from the completion's start."""
+        text = self.tokenizer.token_text
+        if generation.text_offset is None:
+            generation.text_offset = sum(len(text(t)) for t in generation.resumed_ids)
+        out = CompletionLogprobs()
+        for token, lp in delta.logprobs:
+            piece = text(token)
+            out.tokens.append(piece)
+            out.token_logprobs.append(lp.logprob)
+            out.top_logprobs.append({**{text(t): v for t, v in lp.top}, piece: lp.logprob})
+            out.text_offset.append(generation.text_offset)
+            generation.text_offset += len(piece)
+        return out
 
     def usage(self, generation: TextGeneration) -> Usage:
         """Token counts: the prompt, and every token the engine generated (an eos included, though not shown)."""
@@ -492,10 +521,13 @@ class EngineAPI:
         if request.warmgate_resume is None or not request.warmgate_resume.started:
             yield chunk([ChatCompletionChunkChoice(delta=DeltaMessage(role="assistant", content=""))])
         try:
+            logprobs = request.requested_logprobs() is not None
             async for delta in generation.deltas():
-                if delta.text or delta.finish_reason:
+                if delta.text or delta.finish_reason or delta.logprobs:
                     content = DeltaMessage(content=delta.text or None)
-                    choice = ChatCompletionChunkChoice(delta=content, finish_reason=delta.finish_reason)
+                    scores = self.chat_logprobs(delta) if logprobs else None
+                    finish = delta.finish_reason
+                    choice = ChatCompletionChunkChoice(delta=content, finish_reason=finish, logprobs=scores)
                     yield _with_ids(chunk([choice]), generation, delta)
         except EngineFailure as exc:
             yield _sse(ErrorResponse(error=exc.api_error.info))
@@ -523,9 +555,11 @@ class EngineAPI:
         if generation.internal:
             yield _opening(generation, ids)
         try:
+            logprobs = request.requested_logprobs() is not None
             async for delta in generation.deltas():
-                if delta.text or delta.finish_reason:
-                    choice = CompletionChoice(text=delta.text, finish_reason=delta.finish_reason)
+                if delta.text or delta.finish_reason or delta.logprobs:
+                    scores = self.completion_logprobs(generation, delta) if logprobs else None
+                    choice = CompletionChoice(text=delta.text, finish_reason=delta.finish_reason, logprobs=scores)
                     yield _with_ids(chunk([choice]), generation, delta)
         except EngineFailure as exc:
             yield _sse(ErrorResponse(error=exc.api_error.info))
@@ -642,35 +676,15 @@ def create_app(engine: ServingEngine, tokenizer: ChatTokenizer) -> FastAPI:
         api.check_model(request.model)
         ids = api.chat_prompt(request)
         generation = api.admit(request, ids, "messages", "chatcmpl", raw.headers.get(RESUMABLE_HEADER) == "1")
-        if request.stream:
-            return api.stream(generation, api.chat_events(request, generation, ids))
-        text, reason = await api.collect(generation, raw)
-        choice = ChatCompletionChoice(message=AssistantMessage(content=text), finish_reason=reason)
-        body = ChatCompletionResponse(
-            id=generation.request_id,
-            created=generation.created,
-            model=api.model_name,
-            choices=[choice],
-            usage=api.usage(generation),
-        )
-        return JSONResponse(body.model_dump(mode="json"))
+        events = api.chat_events(request, generation, ids)
+        return api.stream(generation, events) if request.stream else await api.whole(generation, events, raw, True)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(request: CompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:
         api.check_model(request.model)
         ids = api.completion_prompt(request)
         generation = api.admit(request, ids, "prompt", "cmpl", raw.headers.get(RESUMABLE_HEADER) == "1")
-        if request.stream:
-            return api.stream(generation, api.completion_events(request, generation, ids))
-        text, reason = await api.collect(generation, raw)
-        choice = CompletionChoice(text=text, finish_reason=reason)
-        body = CompletionResponse(
-            id=generation.request_id,
-            created=generation.created,
-            model=api.model_name,
-            choices=[choice],
-            usage=api.usage(generation),
-        )
-        return JSONResponse(body.model_dump(mode="json"))
+        events = api.completion_events(request, generation, ids)
+        return api.stream(generation, events) if request.stream else await api.whole(generation, events, raw, False)
 
     return app

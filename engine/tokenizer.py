@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,17 @@ from tokenizers import Tokenizer
 
 # Special tokens transformers hands to every chat template (from its special_tokens_map).
 _TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+def _byte_of_char() -> dict[str, int]:
+    """The byte-level BPE alphabet (GPT-2's): printable bytes stand for themselves, the others for 256 + n."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + n): b for n, b in enumerate(others)}
+
+
+_BYTE_OF_CHAR = _byte_of_char()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 class ChatTemplateError(ValueError):
@@ -72,6 +84,7 @@ class ChatTokenizer:
             if content is not None:
                 self.special_tokens[name] = content
         self.eos_token_ids = self._find_eos_ids(_read_json(path / "generation_config.json"))
+        self._token_bytes: dict[int, bytes] = {}
 
         # transformers prefers a chat_template.jinja file over the copy in tokenizer_config.json.
         template_file = path / "chat_template.jinja"
@@ -130,6 +143,31 @@ class ChatTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of the token ids."""
         return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a token may hold part of a UTF-8 character), as logprobs report it."""
+        cached = self._token_bytes.get(token_id)
+        if cached is None:
+            cached = self._token_bytes[token_id] = self._bytes_of(token_id)
+        return cached
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text (a partial UTF-8 character shows as U+FFFD), as logprobs name it."""
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
+    def _bytes_of(self, token_id: int) -> bytes:
+        piece = self._tokenizer.id_to_token(token_id)
+        if piece is None:  # an id of the model's padded vocabulary that no token has
+            return b""
+        if self._byte_level and all(c in _BYTE_OF_CHAR for c in piece):
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        if (byte := _BYTE_FALLBACK.fullmatch(piece)) is not None:  # sentencepiece's <0xNN>
+            return bytes([int(byte.group(1), 16)])
+        return self._tokenizer.decode([token_id], skip_special_tokens=False).encode()
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        return type(self._tokenizer.decoder).__name__ == "ByteLevel"
 
     def incremental_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
         """A decoder that turns a stream of token ids into text deltas."""

@@ -195,7 +195,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"temperature": 0}, 400, "messages"),
     ("/v1/chat/completions", {"messages": FRANCE, "temperature": -1}, 400, "temperature"),
     ("/v1/chat/completions", {"messages": FRANCE, "n": 2}, 400, "n other than 1"),
-    ("/v1/chat/completions", {"messages": FRANCE, "logprobs": True}, 400, "logprobs"),
+    ("/v1/chat/completions", {"messages": FRANCE, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"messages": FRANCE, "max_tokens": 5000}, 400, "maximum context length"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "text"),
     ("/v1/chat/completions", {"messages": FRANCE, "model": "gpt-4o"}, 404, "gpt-4o"),

@@ -312,8 +312,6 @@ NOT_HONOURED = {  # OpenAI parameters the engine does not act on yet: each must 
     "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}],
     "tool_choice": "required",
     "logit_bias": {"42": 5},
-    "logprobs": True,
-    "top_logprobs": 2,
     "n": 2,
     "audio": {"voice": "alloy", "format": "wav"},
     "modalities": ["text", "audio"],

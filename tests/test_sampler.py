@@ -13,7 +13,7 @@ PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
 def _draw(params: SamplingParams, rows: int, generators=None) -> torch.Tensor:
     logits = PROBS.log().repeat(rows, 1)
     gens = generators or [None] * rows
-    return torch.tensor(sample(logits, [params] * rows, [[] for _ in range(rows)], gens))
+    return torch.tensor(sample(logits, [params] * rows, [[] for _ in range(rows)], gens).tokens)
 
 
 def test_frequencies_follow_the_distribution_and_top_k_top_p_cut_it() -> None:
@@ -37,5 +37,26 @@ def test_seeded_rows_repeat_and_greedy_rows_take_the_argmax() -> None:
     assert run() == run()
     assert len(set(run())) > 1, "rows with different seeds draw differently"
     greedy_and_sampled = sample(PROBS.log().repeat(2, 1), [SamplingParams(temperature=0), seeded], [[], []],
-                                [None, torch.Generator().manual_seed(1)])  # fmt: skip
+                                [None, torch.Generator().manual_seed(1)]).tokens  # fmt: skip
     assert greedy_and_sampled[0] == 0
+
+
+def test_logprobs_are_of_the_distribution_each_token_was_drawn_from() -> None:
+    import math
+
+    from engine.sampling_params import LOGPROB_FLOOR
+
+    logits = PROBS.log().repeat(3, 1)
+    params = [SamplingParams(temperature=0, logprobs=2), SamplingParams(temperature=1.0, top_k=2, logprobs=3),
+              SamplingParams(temperature=1.0)]  # fmt: skip
+    out = sample(logits, params, [[], [], []], [None, None, None])
+    greedy, cut, none = out.logprobs
+    assert none is None
+    assert greedy is not None and out.tokens[0] == 0 and greedy.top[0][0] == 0
+    assert math.isclose(greedy.logprob, math.log(0.5), abs_tol=1e-6) and greedy.logprob == greedy.top[0][1]
+    assert [t for t, _ in greedy.top] == [0, 1]
+    assert cut is not None and [t for t, _ in cut.top[:2]] == [0, 1]  # top-k 2: renormalized over the two kept
+    assert math.isclose(cut.top[0][1], math.log(0.5 / 0.8), abs_tol=1e-6)
+    assert math.isclose(cut.top[1][1], math.log(0.3 / 0.8), abs_tol=1e-6)
+    assert cut.top[2][1] == LOGPROB_FLOOR  # a token the sampler could not draw
+    assert cut.logprob == dict(cut.top)[out.tokens[1]]

@@ -9,6 +9,7 @@ the active engine: its requests resumed on the replacement).
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import re
 import signal
@@ -159,6 +160,26 @@ def _running(gw: Any) -> int:
         return int(engine.get("/health").json()["running"])
 
 
+def _check_logprobs(client: OpenAI) -> None:
+    """Logprobs through vLLM's own sampler, in the shapes the native engine gives (tests/test_openai_api.py)."""
+    chat = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Name three colours."}],
+                                          max_tokens=12, temperature=0, logprobs=True, top_logprobs=3)  # fmt: skip
+    choice = chat.choices[0]
+    assert choice.logprobs is not None and choice.logprobs.content, choice
+    assert bytes(b for e in choice.logprobs.content for b in (e.bytes or [])).decode() == choice.message.content
+    for entry in choice.logprobs.content:  # greedy: the most likely token (bf16 logits tie often: by value)
+        assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].logprob == entry.logprob, entry
+    text = client.completions.create(model="demo", prompt="The three primary colours are", max_tokens=12,
+                                     temperature=0.8, logprobs=4, seed=1, extra_body={"top_k": 4})  # fmt: skip
+    lp = text.choices[0].logprobs
+    assert lp is not None and lp.tokens and "".join(lp.tokens) == text.choices[0].text
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs or [], lp.top_logprobs or [], strict=True):
+        assert top is not None and top[token] == logprob  # the sampled token, among the four top-k kept
+        # vLLM's processed logprobs, after temperature; its CPU sampler leaves top-k out of them (the four summed to
+        # 0.946 here), where the native engine's sum to 1 (tests/test_openai_api.py).
+        assert sum(math.exp(v) for v in top.values()) < 1 + 1e-3, top
+
+
 def test_serve_with_the_vllm_backend_restarts_under_load(demo_path, tmp_path: Path) -> None:
     config = (f'model = "{demo_path("bf16")}"\nserved_model_name = "demo"\n\n'
               '[engine]\nbackend = "vllm"\nweights = "ipc"\nmax_num_seqs = 4\nmax_model_len = 512\n'
@@ -171,6 +192,7 @@ def test_serve_with_the_vllm_backend_restarts_under_load(demo_path, tmp_path: Pa
         reply = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "What is 2+2?"}],
                                                max_tokens=16, temperature=0)  # fmt: skip
         assert reply.choices[0].message.content
+        _check_logprobs(client)
 
         stop = threading.Event()
         results: dict[str, Any] = {"ok": 0, "failed": []}

@@ -22,20 +22,15 @@ from typing import Any
 
 from engine.protocol import (
     SSE_INTERNAL,
-    AssistantMessage,
-    ChatCompletionChoice,
     ChatCompletionChunk,
-    ChatCompletionResponse,
-    CompletionChoice,
     CompletionChunk,
-    CompletionResponse,
     ErrorInfo,
     ErrorResponse,
-    FinishReason,
     InternalEvent,
     Resume,
     Usage,
 )
+from engine.responses import assemble
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -60,11 +55,10 @@ class EngineStopped(Exception):
 
 @dataclass
 class Progress:
-    """What the comments kept so far say: every generated id, the characters sent, the last finish reason."""
+    """What the comments kept so far say: every generated id and the characters sent."""
 
     output_ids: list[int] = field(default_factory=list)
     chars: int = 0
-    finish: str | None = None
     parsed: int = 0  # comments folded in
 
 
@@ -160,7 +154,6 @@ class InFlight:
             for note in json.loads(b"[" + b",".join(self._notes[progress.parsed :]) + b"]"):
                 progress.output_ids += note.get("ids", ())
                 progress.chars = note.get("chars", progress.chars)
-                progress.finish = note.get("finish") or progress.finish
             progress.parsed = len(self._notes)
         return progress
 
@@ -181,25 +174,7 @@ class InFlight:
     def response(self) -> tuple[int, dict[str, Any]]:
         """The OpenAI response of a non-streaming request, from the events kept by take(): (status, body)."""
         chunks = json.loads(b"[" + b",".join(self._pieces) + b"]")
-        pieces: list[str] = []
-        for chunk in chunks:
-            if "error" in chunk:
-                kind = chunk["error"].get("type")
-                return (500 if kind == "server_error" else 503), chunk
-            for choice in chunk.get("choices", ()):
-                piece = choice["delta"].get("content") if self.route == CHAT else choice.get("text")
-                if piece:
-                    pieces.append(piece)
-        text = "".join(pieces)
-        finish: FinishReason = "length" if self.progress().finish == "length" else "stop"
-        rid, created, usage = self.id or "", self.created or 0, self.usage()
-        if self.route == CHAT:
-            choice = ChatCompletionChoice(message=AssistantMessage(content=text), finish_reason=finish)
-            chat = ChatCompletionResponse(id=rid, created=created, model=self.model, choices=[choice], usage=usage)
-            return 200, chat.model_dump(mode="json")
-        completion = CompletionResponse(id=rid, created=created, model=self.model, usage=usage,
-                                        choices=[CompletionChoice(text=text, finish_reason=finish)])  # fmt: skip
-        return 200, completion.model_dump(mode="json")
+        return assemble(self.route == CHAT, chunks, self.id or "", self.created or 0, self.model, self.usage())
 
 
 def error_event(message: str, code: str = "engine_failed") -> bytes:

@@ -193,8 +193,8 @@ class LLMEngine(EngineThread[Sequence]):
 
     def _advance(self, seqs: list[Sequence], logits: torch.Tensor, argmax: list[int] | None = None) -> None:
         params, outputs = [s.params for s in seqs], [s.output for s in seqs]
-        chosen = sample(logits, params, outputs, [s.generator for s in seqs], argmax)
-        for seq, token in zip(seqs, chosen, strict=True):
+        sampled = sample(logits, params, outputs, [s.generator for s in seqs], argmax)
+        for seq, token, logprobs in zip(seqs, sampled.tokens, sampled.logprobs, strict=True):
             seq.output.append(token)
             reason = None
             p = seq.params
@@ -203,9 +203,9 @@ class LLMEngine(EngineThread[Sequence]):
             elif len(seq.output) >= p.max_tokens or seq.length >= self.max_model_len:
                 reason = "length"
             if reason:
-                self._finish(seq, TokenEvent(token, reason))
+                self._finish(seq, TokenEvent(token, reason, logprobs=logprobs))
             else:
-                seq.emit(TokenEvent(token))
+                seq.emit(TokenEvent(token, logprobs=logprobs))
 
     def _finish(self, seq: Sequence, event: TokenEvent) -> None:
         self.scheduler.finish(seq)

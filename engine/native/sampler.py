@@ -1,10 +1,20 @@
-"""Next-token choice for a batch: penalties, temperature, top-k, top-p, per-request seeds."""
+"""Next-token choice for a batch: penalties, temperature, top-k, top-p, per-request seeds; and the logprobs of
+the distribution each token was drawn from, for the requests that ask."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from engine.sampling_params import SamplingParams
+from engine.request_stream import TokenLogprobs
+from engine.sampling_params import LOGPROB_FLOOR, SamplingParams
+
+
+@dataclass(frozen=True)
+class Sampled:
+    tokens: list[int]
+    logprobs: list[TokenLogprobs | None]  # per row: None where the request did not ask
 
 
 def apply_penalties(logits: torch.Tensor, outputs: list[list[int]], params: list[SamplingParams]) -> torch.Tensor:
@@ -25,7 +35,7 @@ def sample(
     outputs: list[list[int]],
     generators: list[torch.Generator | None],
     argmax: list[int] | None = None,
-) -> list[int]:
+) -> Sampled:
     """One token per row of ``logits`` [B, vocab] (float32).
 
     ``argmax``: the rows' argmax when already known (the CUDA-graph step computes it); not used when a
@@ -38,7 +48,7 @@ def sample(
     chosen = argmax if argmax is not None else logits.argmax(dim=-1).tolist()
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
-        return chosen
+        return Sampled(chosen, _logprobs(logits, params, chosen))
     device = logits.device
     picked = [params[i] for i in rows]
     x = logits[rows] / torch.tensor([p.temperature for p in picked], device=device).unsqueeze(1)
@@ -63,7 +73,35 @@ def sample(
         noise[j].exponential_(generator=generators[rows[j]])
     for i, token in zip(rows, (probs / noise).argmax(dim=-1).tolist(), strict=True):
         chosen[i] = token
-    return chosen
+    return Sampled(chosen, _logprobs(logits, params, chosen, dict(zip(rows, probs, strict=True))))
+
+
+def _logprobs(logits: torch.Tensor, params: list[SamplingParams], chosen: list[int],
+              drawn: dict[int, torch.Tensor] | None = None) -> list[TokenLogprobs | None]:  # fmt: skip
+    """Each asking row's token logprob and top alternatives: from ``drawn[row]`` (the probabilities a sampled row
+    was drawn from, top-k and top-p applied, not yet normalized) or, for a greedy row, the softmax of its logits.
+    One copy to the host for the whole batch."""
+    wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+    out: list[TokenLogprobs | None] = [None] * len(params)
+    if not wanted:
+        return out
+    drawn = drawn or {}
+    dist = torch.log_softmax(logits[wanted].float(), dim=-1)
+    for j, i in enumerate(wanted):
+        if i in drawn:
+            p = drawn[i]
+            dist[j] = (p / p.sum()).log()
+    dist = dist.clamp_min(LOGPROB_FLOOR)
+    index = torch.tensor([chosen[i] for i in wanted], device=dist.device).unsqueeze(1)
+    picked = dist.gather(1, index).squeeze(1)
+    k = max(params[i].logprobs or 0 for i in wanted)
+    values, ids = dist.topk(k, dim=-1) if k else (dist[:, :0], dist[:, :0].long())
+    host = torch.cat([picked.unsqueeze(1), values, ids.to(dist.dtype)], dim=1).tolist()
+    for j, i in enumerate(wanted):
+        row, n = host[j], params[i].logprobs or 0
+        top = tuple((int(row[1 + k + t]), row[1 + t]) for t in range(n))
+        out[i] = TokenLogprobs(row[0], top)
+    return out
 
 
 def skip_draws(generator: torch.Generator, steps: int, vocab: int, device: torch.device) -> None:

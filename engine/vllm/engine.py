@@ -26,8 +26,8 @@ from cache.processors.vllm import LOAD_FORMAT, engine_args
 from common.device import resolve_device
 from common.events import log_event
 from engine.config import EngineConfig
-from engine.request_stream import EngineThread, RequestStream, TokenEvent
-from engine.sampling_params import SamplingParams
+from engine.request_stream import EngineThread, RequestStream, TokenEvent, TokenLogprobs
+from engine.sampling_params import LOGPROB_FLOOR, SamplingParams
 from engine.tokenizer import model_eos_ids
 from engine.weights import WeightOrigin
 
@@ -100,6 +100,7 @@ class VllmEngine(EngineThread[_Pending]):
             model_loader_extra_config={"cache_socket": str(config.cache_socket or ""), "weights": config.weights,
                                        "engine_name": f"vllm-engine-{os.getpid()}"},
             disable_log_stats=True,
+            logprobs_mode="processed_logprobs",  # of the distribution sampled from, as the native engine reports
             **({"kv_cache_memory_bytes": kv_bytes} if kv_bytes else {}),
             **({"enforce_eager": True} if not config.cuda_graphs else {}),
         )  # fmt: skip
@@ -109,14 +110,17 @@ class VllmEngine(EngineThread[_Pending]):
         self._origin: WeightOrigin = origin
 
         self._streams: dict[str, RequestStream] = {}
+        self._top_logprobs: dict[str, int] = {}  # request id -> alternatives it asks for, if it asks for logprobs
         t = time.perf_counter()
         self._warm_up()
         self.startup_phases["warmup"] = time.perf_counter() - t
         log_event(log, "vllm_engine", source=origin.source, kv_cache_bytes=kv_bytes, **self.startup_phases)
 
     def _warm_up(self) -> None:
-        """One short request through vLLM before the worker reports ready (first-step costs are paid here)."""
-        params = self._sampling(max_tokens=2, temperature=0, ignore_eos=True, detokenize=False)
+        """One short request through vLLM before the worker reports ready (first-step costs are paid here). It asks
+        for logprobs: vLLM's first logprobs step took 3.7 s on an idle 2-core CPU, over 10 s (health_timeout) under
+        load, where it got the engine killed as hung."""
+        params = self._sampling(max_tokens=2, temperature=0, ignore_eos=True, detokenize=False, logprobs=2)
         self.llm.add_request("warmup", self._prompt(prompt_token_ids=[self.eos_token_ids[0]] * 4), params)
         while self.llm.has_unfinished_requests():
             self.llm.step()
@@ -145,7 +149,7 @@ class VllmEngine(EngineThread[_Pending]):
             max_tokens=params.max_tokens - len(output), temperature=params.temperature, top_p=params.top_p,
             top_k=params.top_k, seed=params.seed, presence_penalty=params.presence_penalty,
             frequency_penalty=params.frequency_penalty, stop_token_ids=stop_ids, ignore_eos=params.ignore_eos,
-            detokenize=False, output_kind=self._delta,
+            detokenize=False, output_kind=self._delta, logprobs=params.logprobs,
         )  # fmt: skip
         stream = RequestStream(request_id or uuid.uuid4().hex, len(prompt_ids), asyncio.get_running_loop(),
                                self._outbox)  # fmt: skip
@@ -208,6 +212,7 @@ class VllmEngine(EngineThread[_Pending]):
         for stream in [*self._streams.values(), *(p.stream for p in self._inbox)]:
             stream.push(TokenEvent(None, "abort"))
         self._streams.clear()
+        self._top_logprobs.clear()
 
     def _admit(self, pending: list[_Pending]) -> None:
         for p in pending:
@@ -217,13 +222,15 @@ class VllmEngine(EngineThread[_Pending]):
                 p.stream.push(TokenEvent(None, "error", error=f"{type(exc).__name__}: {exc}"))
                 continue
             self._streams[p.stream.request_id] = p.stream
+            if p.params.logprobs is not None:
+                self._top_logprobs[p.stream.request_id] = p.params.logprobs
 
     def _abort_cancelled(self) -> None:
         cancelled = [rid for rid, stream in self._streams.items() if stream.cancelled]
         if cancelled:
             self.llm.abort_request(cancelled)
             for rid in cancelled:
-                self._streams.pop(rid).push(TokenEvent(None, "abort"))
+                self._drop(rid).push(TokenEvent(None, "abort"))
 
     def _deliver(self, outputs: list[Any]) -> None:
         for out in outputs:
@@ -233,12 +240,19 @@ class VllmEngine(EngineThread[_Pending]):
             completion = out.outputs[0]
             reason = FINISH.get(completion.finish_reason or "", "stop") if out.finished else None
             ids = list(completion.token_ids)
-            for i, token in enumerate(ids):
-                stream.push(TokenEvent(token, reason if i == len(ids) - 1 else None))
+            top = self._top_logprobs.get(out.request_id, 0)
+            logprobs = completion.logprobs or [None] * len(ids)
+            for i, (token, alternatives) in enumerate(zip(ids, logprobs, strict=True)):
+                stream.push(TokenEvent(token, reason if i == len(ids) - 1 else None,
+                                       logprobs=_token_logprobs(token, alternatives, top)))  # fmt: skip
             if out.finished:
                 if not ids:
                     stream.push(TokenEvent(None, reason))
-                del self._streams[out.request_id]
+                self._drop(out.request_id)
+
+    def _drop(self, request_id: str) -> RequestStream:
+        self._top_logprobs.pop(request_id, None)
+        return self._streams.pop(request_id)
 
     def _description(self) -> tuple[str, int, int]:
         # vLLM chooses the block size; its usage leaves out the null block (vllm.v1.core.block_pool.get_usage).
@@ -257,8 +271,17 @@ class VllmEngine(EngineThread[_Pending]):
     def _fail(self, error: str) -> None:
         rids = list(self._streams)
         for rid in rids:
-            self._streams.pop(rid).push(TokenEvent(None, "error", error=error))
+            self._drop(rid).push(TokenEvent(None, "error", error=error))
         try:
             self.llm.abort_request(rids)
         except Exception:  # the engine is already broken; its requests are failed above
             log.exception("event=abort_failed")
+
+
+def _token_logprobs(token: int, alternatives: dict[int, Any] | None, top: int) -> TokenLogprobs | None:
+    """vLLM's logprobs of one token (id -> Logprob: the sampled token's, and the ``top`` most likely) as ours."""
+    if alternatives is None:
+        return None
+    best = sorted(alternatives.items(), key=lambda item: -item[1].logprob)[:top]
+    return TokenLogprobs(max(alternatives[token].logprob, LOGPROB_FLOOR),
+                         tuple((i, max(a.logprob, LOGPROB_FLOOR)) for i, a in best))  # fmt: skip

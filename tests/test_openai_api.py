@@ -1,0 +1,148 @@
+"""The OpenAI API that real clients use, through `warmgate serve` and the official client (CPU, the bf16 demo):
+logprobs on chat and text completions, streamed and whole, against a reference forward pass (transformers)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+import torch
+from processes import Gateway, start_gateway
+
+PROMPT = "The three primary colours are"
+CHAT = [{"role": "user", "content": "Name three colours."}]
+
+
+@pytest.fixture(scope="module")
+def gateway(demo_path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    root = tmp_path_factory.mktemp("openai-api")
+    config = (f'model = "{demo_path("bf16")}"\nserved_model_name = "demo"\n\n'
+              "[engine]\nmax_num_seqs = 8\nmax_model_len = 512\n\n"
+              '[restart]\nstrategy = "overlap"\nstandby = 0\n')  # fmt: skip
+    gw = start_gateway(root, config)
+    yield gw
+    gw.stop()
+
+
+def _client(gateway: Gateway) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+def test_chat_logprobs_name_each_token_with_its_alternatives_streamed_and_whole(gateway: Gateway) -> None:
+    client = _client(gateway)
+    ask: dict[str, Any] = {"model": "demo", "messages": CHAT, "temperature": 0, "max_tokens": 24, "logprobs": True,
+                           "top_logprobs": 3}  # fmt: skip
+    whole = client.chat.completions.create(**ask)
+    choice = whole.choices[0]
+    assert choice.logprobs is not None and choice.logprobs.content, choice
+    entries = choice.logprobs.content
+    assert bytes(b for e in entries for b in (e.bytes or [])).decode() == choice.message.content
+    for entry in entries:
+        assert len(entry.top_logprobs) == 3
+        best = entry.top_logprobs[0]
+        assert (best.token, best.logprob) == (entry.token, entry.logprob), entry  # greedy: the top-1 entry
+        assert entry.logprob <= 0 and [t.logprob for t in entry.top_logprobs] == sorted(
+            (t.logprob for t in entry.top_logprobs), reverse=True)  # fmt: skip
+
+    streamed: list[Any] = []
+    text = []
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        for c in chunk.choices:
+            text.append(c.delta.content or "")
+            if c.logprobs is not None:
+                streamed += c.logprobs.content or []
+    assert "".join(text) == choice.message.content
+    assert [e.token for e in streamed] == [e.token for e in entries]
+    assert all(math.isclose(a.logprob, b.logprob, abs_tol=1e-4) for a, b in zip(streamed, entries, strict=True))
+
+    plain = client.chat.completions.create(model="demo", messages=CHAT, max_tokens=4)
+    assert plain.choices[0].logprobs is None  # not asked, not given
+
+
+def test_completion_logprobs_in_the_legacy_shape_streamed_and_whole(gateway: Gateway) -> None:
+    client = _client(gateway)
+    ask: dict[str, Any] = {"model": "demo", "prompt": PROMPT, "temperature": 0, "max_tokens": 20, "logprobs": 2}
+    whole = client.completions.create(**ask)
+    choice = whole.choices[0]
+    lp = choice.logprobs
+    assert lp is not None and lp.tokens and lp.token_logprobs and lp.top_logprobs and lp.text_offset is not None
+    assert "".join(lp.tokens) == choice.text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert top is not None and token in top and top[token] == logprob and len(top) <= 3
+        assert logprob == max(top.values())  # greedy
+
+    tokens, logprobs, offsets = [], [], []
+    for chunk in client.completions.create(**ask, stream=True):
+        for c in chunk.choices:
+            if c.logprobs is not None:
+                tokens += c.logprobs.tokens or []
+                logprobs += c.logprobs.token_logprobs or []
+                offsets += c.logprobs.text_offset or []
+    assert tokens == lp.tokens and offsets == lp.text_offset
+    assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(logprobs, lp.token_logprobs, strict=True))
+
+
+def test_logprobs_equal_a_reference_forward_pass(gateway: Gateway, demo_path) -> None:
+    """Greedy logprobs against transformers in fp32 on the same checkpoint: the generated tokens' logprobs, and
+    every top-5 alternative, within 1e-3."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = demo_path("bf16")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    answer = _client(gateway).completions.create(model="demo", prompt=PROMPT, temperature=0, max_tokens=16,
+                                                 logprobs=5, extra_body={"ignore_eos": True})  # fmt: skip
+    lp = answer.choices[0].logprobs
+    assert lp is not None and lp.token_logprobs and lp.top_logprobs
+    prompt = tokenizer(PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=16, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, min_new_tokens=16)  # fmt: skip
+    generated = out.sequences[0, prompt.shape[1] :].tolist()
+    assert tokenizer.decode(generated) == answer.choices[0].text
+    for step, token in enumerate(generated):
+        reference = torch.log_softmax(out.logits[step][0].float(), dim=-1)
+        assert math.isclose(lp.token_logprobs[step], float(reference[token]), abs_tol=1e-3), step
+        values, ids = reference.topk(5)
+        expected = {tokenizer.decode([i]): float(v) for v, i in zip(values, ids, strict=True)}
+        top = lp.top_logprobs[step]
+        assert top is not None
+        for text, value in expected.items():
+            assert math.isclose(top[text], value, abs_tol=1e-3), (step, text, top)
+
+
+def test_sampled_logprobs_are_of_the_distribution_each_token_was_drawn_from(gateway: Gateway) -> None:
+    """After temperature and top-k: the five tokens top-k keeps carry all the probability."""
+    answer = _client(gateway).chat.completions.create(model="demo", messages=CHAT, temperature=0.7, max_tokens=16,
+                                                      logprobs=True, top_logprobs=5, seed=3,
+                                                      extra_body={"top_k": 5})  # fmt: skip
+    assert answer.choices[0].logprobs is not None
+    for entry in answer.choices[0].logprobs.content or []:
+        assert math.isclose(sum(math.exp(t.logprob) for t in entry.top_logprobs), 1.0, abs_tol=1e-4), entry
+        assert entry.logprob in [t.logprob for t in entry.top_logprobs]
+
+
+@pytest.mark.parametrize(("route", "fields", "param"), [
+    ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("chat", {"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ("chat", {"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+    ("chat", {"logprobs": "yes please"}, "logprobs"),
+    ("text", {"logprobs": 21}, "logprobs"),
+    ("text", {"logprobs": -1}, "logprobs"),
+    ("text", {"logprobs": [1]}, "logprobs"),
+])  # fmt: skip
+def test_logprobs_out_of_range_or_of_the_wrong_type_are_refused_by_name(
+    gateway: Gateway, route: str, fields: dict[str, Any], param: str
+) -> None:
+    client = _client(gateway)
+    with pytest.raises(openai.BadRequestError) as refused:
+        if route == "chat":
+            client.chat.completions.create(model="demo", messages=CHAT, max_tokens=2, extra_body=fields)
+        else:
+            client.completions.create(model="demo", prompt=PROMPT, max_tokens=2, extra_body=fields)
+    body = refused.value.body
+    assert isinstance(body, dict) and body.get("param") == param, body
