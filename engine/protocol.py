@@ -18,8 +18,10 @@ from pydantic import (
     ValidationInfo,
     field_validator,
     model_serializer,
+    model_validator,
 )
 
+from engine.grammar import Grammar, GrammarSpec
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 FinishReason = Literal["stop", "length"]
@@ -133,6 +135,33 @@ class InternalEvent(OpenAIModel):
     model: str | None = None
 
 
+class JsonSchemaFormat(OpenAIModel):
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    """What the answer must be: free text, any JSON object, or JSON by a schema (held to it token by token)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("a response_format of type json_schema needs its json_schema")
+        return self
+
+    def grammar(self) -> GrammarSpec | None:
+        if self.type == "text":
+            return None
+        if self.json_schema is not None and self.json_schema.json_schema is not None:
+            return GrammarSpec.of_schema(self.json_schema.json_schema)
+        return GrammarSpec("json_object")  # json_object, or a json_schema without its schema
+
+
 class SamplingRequest(OpenAIModel):
     """Fields chat and text completions share."""
 
@@ -153,6 +182,7 @@ class SamplingRequest(OpenAIModel):
     ignore_eos: bool = False  # extension
     user: str | None = None
     logit_bias: dict[str, float] | None = None  # OpenAI's: refused unless empty (not honoured)
+    response_format: ResponseFormat | None = None  # vLLM takes it on text completions too
     warmgate_resume: Resume | None = None  # internal: set by the gateway only (it drops a client's)
 
     @field_validator("n")
@@ -182,12 +212,17 @@ class SamplingRequest(OpenAIModel):
         """How many alternatives each token's logprobs list, if the client asked for logprobs."""
         return None
 
+    def grammar(self) -> GrammarSpec | None:
+        """What the answer is held to (response_format), if anything."""
+        return self.response_format.grammar() if self.response_format is not None else None
+
     def include_usage(self) -> bool:
         """Whether a stream should end with a usage chunk."""
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """The engine's sampling settings for this request (max_tokens resolved by the server)."""
+    def sampling_params(self, max_tokens: int, grammar: Grammar | None = None) -> SamplingParams:
+        """The engine's sampling settings for this request (max_tokens resolved and grammar compiled by the
+        server)."""
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -199,6 +234,7 @@ class SamplingRequest(OpenAIModel):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logprobs=self.requested_logprobs(),
+            grammar=grammar,
         )
 
 
@@ -209,7 +245,6 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # OpenAI's parameters this server does not honour yet: refused (400 naming them) unless they ask for nothing, so
     # that no client gets free text where it asked for JSON by schema or a tool call.
-    response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[Any] | None = None
@@ -224,15 +259,6 @@ class ChatCompletionRequest(SamplingRequest):
         if top and not info.data.get("logprobs"):
             raise ValueError("logprobs must be true when top_logprobs is used")
         return top
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, response_format: dict[str, Any] | None) -> dict[str, Any] | None:
-        if response_format is not None and response_format.get("type") != "text":
-            kind = response_format.get("type")
-            raise ValueError(f"response_format type {kind!r} is not supported (structured outputs are not "
-                             "implemented: the answer would not be held to it); only 'text'")  # fmt: skip
-        return response_format
 
     @field_validator("tools", "functions")
     @classmethod

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.grammar import Grammar
 
 MAX_LOGPROBS = 20  # the most alternatives a token's logprobs may list (OpenAI's top_logprobs limit)
 LOGPROB_FLOOR = -9999.0  # reported for a token the sampler could not pick (cut by top-k or top-p), as vLLM does
@@ -20,6 +24,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)  # besides the model's eos
     ignore_eos: bool = False
     logprobs: int | None = None  # report each token's logprob and this many most likely alternatives (None: none)
+    grammar: Grammar | None = None  # the answer is held to it (structured outputs), compiled by the server
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -30,6 +35,8 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError("top_k must be >= 0 (0 disables it)")
+        if self.grammar is not None and self.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with a response_format: the answer ends with its JSON")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}]")
         for name in ("presence_penalty", "frequency_penalty"):

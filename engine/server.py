@@ -24,6 +24,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
+from engine.grammar import Grammar, GrammarError, Grammars
 from engine.protocol import (
     RESUMABLE_HEADER,
     SSE_INTERNAL,
@@ -323,6 +324,7 @@ class EngineAPI:
         self.tokenizer = tokenizer
         self.admission = Admission()
         self.model_name = engine.config.name
+        self._grammars: asyncio.Future[Grammars] | None = None
         # Test-only fault: a request with this `user` makes the worker exit (a poison request).
         self.crash_user = os.environ.get("WARMGATE_TEST_CRASH_USER") or None
 
@@ -354,11 +356,28 @@ class EngineAPI:
             )
         return requested
 
+    async def grammar(self, request: SamplingRequest) -> Grammar | None:
+        """The request's compiled grammar (its response_format), if it has one; compiled in a worker thread, and a
+        schema that cannot be compiled is a 400. The compiler is built at the first request that needs one."""
+        spec = request.grammar()
+        if spec is None:
+            return None
+        if self._grammars is None:
+            tokenizer, engine = self.tokenizer, self.engine
+            self._grammars = asyncio.ensure_future(
+                asyncio.to_thread(Grammars, tokenizer, engine.vocab_size, engine.eos_token_ids))
+        grammars = await asyncio.shield(self._grammars)
+        try:
+            return await asyncio.to_thread(grammars.compile, spec)
+        except GrammarError as exc:
+            raise ApiError(400, str(exc), param="response_format") from None
+
     def admit(self, request: SamplingRequest, ids: list[int], prompt_param: str, id_prefix: str,
-              internal: bool = False) -> TextGeneration:  # fmt: skip
+              internal: bool = False, grammar: Grammar | None = None) -> TextGeneration:  # fmt: skip
         """Check the request, admit it and submit its prompt; end it with release() (stream() does).
 
-        ``internal``: the gateway asked for the internal stream (token ids with every event).
+        ``internal``: the gateway asked for the internal stream (token ids with every event); ``grammar``: what
+        the answer is held to (``grammar()`` compiled it).
         """
         if self.crash_user is not None and request.user == self.crash_user:
             log.error("event=test_fault user=%s: exiting as asked by WARMGATE_TEST_CRASH_USER", request.user)
@@ -368,7 +387,7 @@ class EngineAPI:
         request_id = random_id(id_prefix)
         self.admission.enter()
         try:
-            params = request.sampling_params(max_tokens)
+            params = request.sampling_params(max_tokens, grammar)
             output = resume.output_ids if resume else None
             stream = self.engine.submit(ids, params, request_id, output)
         except BaseException as exc:
@@ -675,7 +694,9 @@ def create_app(engine: ServingEngine, tokenizer: ChatTokenizer) -> FastAPI:
     async def chat_completions(request: ChatCompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:
         api.check_model(request.model)
         ids = api.chat_prompt(request)
-        generation = api.admit(request, ids, "messages", "chatcmpl", raw.headers.get(RESUMABLE_HEADER) == "1")
+        grammar = await api.grammar(request)
+        internal = raw.headers.get(RESUMABLE_HEADER) == "1"
+        generation = api.admit(request, ids, "messages", "chatcmpl", internal, grammar)
         events = api.chat_events(request, generation, ids)
         return api.stream(generation, events) if request.stream else await api.whole(generation, events, raw, True)
 
@@ -683,7 +704,9 @@ def create_app(engine: ServingEngine, tokenizer: ChatTokenizer) -> FastAPI:
     async def completions(request: CompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:
         api.check_model(request.model)
         ids = api.completion_prompt(request)
-        generation = api.admit(request, ids, "prompt", "cmpl", raw.headers.get(RESUMABLE_HEADER) == "1")
+        grammar = await api.grammar(request)
+        internal = raw.headers.get(RESUMABLE_HEADER) == "1"
+        generation = api.admit(request, ids, "prompt", "cmpl", internal, grammar)
         events = api.completion_events(request, generation, ids)
         return api.stream(generation, events) if request.stream else await api.whole(generation, events, raw, False)
 

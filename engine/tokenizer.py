@@ -166,6 +166,11 @@ class ChatTokenizer:
         return self._tokenizer.decode([token_id], skip_special_tokens=False).encode()
 
     @functools.cached_property
+    def special_token_ids(self) -> set[int]:
+        """Ids of the special (control) tokens: they have no text of an answer."""
+        return {i for i, token in self._tokenizer.get_added_tokens_decoder().items() if token.special}
+
+    @functools.cached_property
     def _byte_level(self) -> bool:
         return type(self._tokenizer.decoder).__name__ == "ByteLevel"
 

@@ -3,6 +3,7 @@ logprobs on chat and text completions, streamed and whole, against a reference f
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -146,3 +147,76 @@ def test_logprobs_out_of_range_or_of_the_wrong_type_are_refused_by_name(
             client.completions.create(model="demo", prompt=PROMPT, max_tokens=2, extra_body=fields)
     body = refused.value.body
     assert isinstance(body, dict) and body.get("param") == param, body
+
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 20},
+                   "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                   "colour": {"type": "string", "enum": ["red", "green", "blue"]}},
+    "required": ["name", "age", "colour"],
+    "additionalProperties": False,
+}  # fmt: skip
+PERSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+ASK_PERSON = [{"role": "user", "content": "Describe a person as JSON with their name, age and favourite colour."}]
+
+
+def test_json_schema_answers_at_temperature_1_follow_the_schema_50_of_50(gateway: Gateway) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    import jsonschema
+
+    client = _client(gateway)
+
+    def ask(seed: int) -> Any:
+        return client.chat.completions.create(model="demo", messages=ASK_PERSON, temperature=1.0, seed=seed,
+                                              max_tokens=80, response_format=PERSON_FORMAT)  # type: ignore[arg-type]  # fmt: skip
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, range(50)))
+    for answer in answers:
+        choice = answer.choices[0]
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.message.content or ""), PERSON)
+    assert len({a.choices[0].message.content for a in answers}) > 10  # sampled, not one answer
+
+
+def test_structured_outputs_streamed_whole_on_both_routes_and_as_any_object(gateway: Gateway) -> None:
+    import jsonschema
+
+    client = _client(gateway)
+    whole = client.chat.completions.create(model="demo", messages=ASK_PERSON, temperature=0, max_tokens=80,
+                                           response_format=PERSON_FORMAT)  # type: ignore[arg-type]  # fmt: skip
+    text = whole.choices[0].message.content or ""
+    jsonschema.validate(json.loads(text), PERSON)
+    streamed = client.chat.completions.create(model="demo", messages=ASK_PERSON, temperature=0, max_tokens=80,
+                                              response_format=PERSON_FORMAT, stream=True)  # type: ignore[arg-type]  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == text
+    completion = client.completions.create(model="demo", prompt="A person as JSON:", temperature=0, max_tokens=80,
+                                           extra_body={"response_format": PERSON_FORMAT})  # fmt: skip
+    jsonschema.validate(json.loads(completion.choices[0].text), PERSON)
+    anything = client.chat.completions.create(model="demo", messages=ASK_PERSON, temperature=0, max_tokens=120,
+                                              response_format={"type": "json_object"})  # fmt: skip
+    choice = anything.choices[0]
+    assert (choice.message.content or "").startswith("{"), choice
+    if choice.finish_reason == "stop":
+        assert isinstance(json.loads(choice.message.content or ""), dict)
+
+
+@pytest.mark.parametrize(("response_format", "extra", "words"), [
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}, {}, "nonsense"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(("}}}, {},
+     "parenthesis"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/missing"}}}, {}, "missing"),
+    ({"type": "json_schema"}, {}, "json_schema"),
+    ({"type": "xml"}, {}, "type"),
+    ({"type": "json_object"}, {"ignore_eos": True}, "ignore_eos"),
+])  # fmt: skip
+def test_a_grammar_that_cannot_be_used_is_refused_with_a_400(gateway: Gateway, response_format: dict[str, Any],
+                                                             extra: dict[str, Any], words: str) -> None:  # fmt: skip
+    with pytest.raises(openai.BadRequestError) as refused:
+        _client(gateway).chat.completions.create(model="demo", messages=CHAT, max_tokens=4,
+                                                 extra_body={"response_format": response_format, **extra})  # fmt: skip
+    body = refused.value.body
+    assert isinstance(body, dict) and words in body["message"], body
+    assert body.get("param") in ("response_format", None), body

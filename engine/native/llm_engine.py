@@ -21,6 +21,7 @@ from cache.processors.native import compute_dtype
 from common.device import resolve_device
 from common.events import log_event
 from engine.config import EngineConfig
+from engine.grammar import GrammarState, allocate_bitmask, apply_bitmask
 from engine.native.kv_cache import BlockAllocator, KVCache, KVCacheSpec
 from engine.native.model import ModelArgs, Transformer
 from engine.native.model_runner import ModelRunner
@@ -44,6 +45,7 @@ class LLMEngine(EngineThread[Sequence]):
         self.config = config
         self.startup_phases: dict[str, float] = {}
         self.stats = StepStats(self)
+        self._bitmask: torch.Tensor | None = None  # the grammars' token masks, one row per sequence sampled in a step
         with self._phase("device_init"):
             self.device = resolve_device(config.device)
             if self.device.type == "cuda":
@@ -94,6 +96,8 @@ class LLMEngine(EngineThread[Sequence]):
         stream = RequestStream(request_id or uuid.uuid4().hex, len(prompt_ids), asyncio.get_running_loop(),
                                self._outbox)  # fmt: skip
         seq = self._sequence(stream.request_id, prompt_ids, params, stream.push)
+        if params.grammar is not None:
+            seq.grammar = GrammarState(params.grammar, output)  # a resume replays what was generated
         if output:
             seq.output = output
             if seq.generator is not None and not params.greedy:
@@ -193,11 +197,22 @@ class LLMEngine(EngineThread[Sequence]):
 
     def _advance(self, seqs: list[Sequence], logits: torch.Tensor, argmax: list[int] | None = None) -> None:
         params, outputs = [s.params for s in seqs], [s.output for s in seqs]
+        constrained = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        if constrained:  # what their grammars allow: the logits of the rest become -inf
+            if self._bitmask is None:
+                self._bitmask = allocate_bitmask(self.config.max_num_seqs, self.args.shape.vocab)
+            for i in constrained:
+                seqs[i].grammar.fill(self._bitmask, i)  # type: ignore[union-attr]
+            apply_bitmask(logits, self._bitmask, constrained)
+            argmax = None
         sampled = sample(logits, params, outputs, [s.generator for s in seqs], argmax)
         for seq, token, logprobs in zip(seqs, sampled.tokens, sampled.logprobs, strict=True):
             seq.output.append(token)
             reason = None
             p = seq.params
+            if seq.grammar is not None and not seq.grammar.accept(token):
+                self._finish(seq, TokenEvent(None, "error", error=f"token {token} does not follow the grammar"))
+                continue
             if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
                 reason = "stop"
             elif len(seq.output) >= p.max_tokens or seq.length >= self.max_model_len:

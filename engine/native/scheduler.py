@@ -22,6 +22,7 @@ from engine.native.kv_cache import BlockAllocator
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from engine.grammar import GrammarState
     from engine.request_stream import TokenEvent
 
 
@@ -37,6 +38,7 @@ class Sequence:
     blocks: list[int] = field(default_factory=list)  # the block table
     computed: int = 0  # leading tokens whose keys and values are in the cache
     preemptions: int = 0
+    grammar: GrammarState | None = None  # where the answer is in its grammar (structured outputs)
 
     @property
     def length(self) -> int:
