@@ -35,14 +35,16 @@ class GrammarError(ValueError):
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    """What an answer must be: any JSON object (``json_object``) or JSON by a schema (``json_schema``)."""
+    """What an answer must be: any JSON object (``json_object``), JSON by a schema (``json_schema``), or text in
+    which tagged parts follow schemas (``structural_tag``: xgrammar's, for tool calls)."""
 
-    kind: Literal["json_object", "json_schema"]
-    schema: str | None = None  # the schema, as canonical JSON text (sorted keys): it is the cache key
+    kind: Literal["json_object", "json_schema", "structural_tag"]
+    schema: str | None = None  # the schema as JSON text, its keys in the client's order (properties are written
+    # in that order): the cache key
 
     @classmethod
     def of_schema(cls, schema: dict[str, Any]) -> GrammarSpec:
-        return cls("json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":")))
+        return cls("json_schema", json.dumps(schema, separators=(",", ":")))
 
     @property
     def key(self) -> str:
@@ -84,8 +86,12 @@ class Grammars:
             # Compact JSON (", " and ": " between items, no other whitespace): a small model given any whitespace
             # may write newlines until max_tokens instead of the JSON it was asked for. A schema is strict (no
             # property it does not name); json_object is any object.
-            schema, strict = (spec.schema, True) if spec.kind == "json_schema" else ('{"type": "object"}', False)
-            compiled = self._compiler.compile_json_schema(schema or "{}", any_whitespace=False, strict_mode=strict)
+            if spec.kind == "structural_tag":
+                compiled = self._compiler.compile_structural_tag(spec.schema or "")
+            else:
+                schema, strict = (spec.schema, True) if spec.kind == "json_schema" else ('{"type": "object"}', False)
+                compiled = self._compiler.compile_json_schema(schema or "{}", any_whitespace=False,
+                                                              strict_mode=strict)  # fmt: skip
         except (RuntimeError, ValueError, TypeError) as exc:
             raise GrammarError(f"the JSON schema cannot be used: {_first_line(exc)}") from None
         grammar = Grammar(spec, compiled)

@@ -23,8 +23,11 @@ from pydantic import (
 
 from engine.grammar import Grammar, GrammarSpec
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.tools import grammar_text as tool_grammar
+from engine.tools import render_call, render_result
+from engine.tools import system_prompt as tool_system_prompt
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 # The gateway asks for the internal stream with this header: after each SSE data line the engine adds a
 # comment line (ignored by SSE clients, removed by the gateway) with what resuming the request needs.
@@ -84,10 +87,25 @@ class ContentPart(OpenAIModel):
     text: str | None = None
 
 
+class ToolCallFunction(OpenAIModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallItem(OpenAIModel):
+    """A tool call: in an assistant message, given back in the conversation, or in an answer."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallItem] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's result: the call it answers
 
     @field_validator("content")
     @classmethod
@@ -238,15 +256,36 @@ class SamplingRequest(OpenAIModel):
         )
 
 
+class FunctionDefinition(OpenAIModel):
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    # OpenAI's parameters this server does not honour yet: refused (400 naming them) unless they ask for nothing, so
-    # that no client gets free text where it asked for JSON by schema or a tool call.
-    tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # OpenAI's parameters this server does not honour: refused (400 naming them) unless they ask for nothing.
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None
@@ -260,19 +299,53 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("logprobs must be true when top_logprobs is used")
         return top
 
-    @field_validator("tools", "functions")
+    @field_validator("functions")
     @classmethod
-    def _no_tools(cls, tools: list[Any] | None) -> list[Any] | None:
-        if tools:
-            raise ValueError("tool calling is not supported (the model would answer in text, not call a tool)")
-        return tools
+    def _no_functions(cls, functions: list[Any] | None) -> list[Any] | None:
+        if functions:
+            raise ValueError("functions (deprecated) is not supported: use tools")
+        return functions
 
-    @field_validator("tool_choice", "function_call")
+    @field_validator("function_call")
     @classmethod
-    def _no_tool_choice(cls, choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+    def _no_function_call(cls, choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
         if choice not in (None, "none"):
-            raise ValueError("tool calling is not supported: only 'none'")
+            raise ValueError("function_call (deprecated) is not supported: use tool_choice")
         return choice
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_among_tools(cls, choice: Any, info: ValidationInfo) -> Any:
+        tools = info.data.get("tools") or []
+        if choice in ("auto", "required") and not tools:
+            raise ValueError(f"tool_choice {choice!r} needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in [t.function.name for t in tools]:
+            raise ValueError(f"tool_choice names the function {choice.function.name!r}, which is not among the tools")
+        return choice
+
+    @model_validator(mode="after")
+    def _tools_or_a_format(self) -> ChatCompletionRequest:
+        if self.tool_mode() is not None and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("a response_format cannot be combined with tools the answer may call (tool_choice none)")
+        return self
+
+    def tool_mode(self) -> tuple[Literal["auto", "required", "named"], list[dict[str, Any]]] | None:
+        """How the answer may call tools, and the functions it may call: None when it calls none (no tools, or
+        tool_choice none). Tools given without a tool_choice are ``auto``, as in OpenAI's API."""
+        choice = self.tool_choice
+        if not self.tools or choice == "none":
+            return None
+        functions = [t.function.model_dump(exclude_none=True) for t in self.tools]
+        if isinstance(choice, NamedToolChoice):
+            return "named", [f for f in functions if f["name"] == choice.function.name]
+        return ("required" if choice == "required" else "auto"), functions
+
+    def grammar(self) -> GrammarSpec | None:
+        tools = self.tool_mode()
+        if tools is None:
+            return super().grammar()
+        kind, text = tool_grammar(tools[1], tools[0], self.parallel_tool_calls is not False)
+        return GrammarSpec(kind, text)  # type: ignore[arg-type]
 
     @field_validator("prediction", "audio")
     @classmethod
@@ -296,13 +369,29 @@ class ChatCompletionRequest(SamplingRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def template_messages(self) -> list[dict[str, Any]]:
-        """Messages as the chat template expects them: role and string content."""
+        """Messages as the chat template expects them: role and string content. Tools the answer may call are
+        described in a system message; earlier calls and their results are written as the model writes them
+        (engine/tools.py)."""
         out: list[dict[str, Any]] = []
         for message in self.messages:
-            item: dict[str, Any] = {"role": message.role, "content": message.text()}
+            content = message.text()
+            if message.role == "assistant" and message.tool_calls:
+                calls = [render_call(c.function.name, c.function.arguments) for c in message.tool_calls]
+                content = "\n".join([content, *calls] if content else calls)
+            if message.role == "tool":
+                out.append({"role": "user", "content": render_result(content)})
+                continue
+            item: dict[str, Any] = {"role": message.role, "content": content}
             if message.name is not None:
                 item["name"] = message.name
             out.append(item)
+        tools = self.tool_mode()
+        if tools is not None:
+            described = tool_system_prompt(tools[1])
+            if out and out[0]["role"] in ("system", "developer"):
+                out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{described}"}
+            else:
+                out.insert(0, {"role": "system", "content": described})
         return out
 
 
@@ -393,7 +482,24 @@ class CompletionLogprobs(OpenAIModel):
 
 class AssistantMessage(OpenAIModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallItem] | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent(self, handler: SerializerFunctionWrapHandler) -> Any:
+        return _without_nulls(self, handler, ("tool_calls",))
+
+
+class DeltaFunction(OpenAIModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction
 
 
 class ChatCompletionChoice(OpenAIModel):
@@ -422,10 +528,11 @@ class DeltaMessage(OpenAIModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _omit_absent(self, handler: SerializerFunctionWrapHandler) -> Any:
-        return _without_nulls(self, handler, ("role", "content"))
+        return _without_nulls(self, handler, ("role", "content", "tool_calls"))
 
 
 class ChatCompletionChunkChoice(OpenAIModel):

@@ -18,6 +18,8 @@ from engine.protocol import (
     CompletionLogprobs,
     CompletionResponse,
     FinishReason,
+    ToolCallFunction,
+    ToolCallItem,
     Usage,
 )
 
@@ -29,6 +31,7 @@ def assemble(chat: bool, chunks: list[dict[str, Any]], id: str, created: int, mo
     texts: dict[int, list[str]] = {}
     finishes: dict[int, FinishReason] = {}
     logprobs: dict[int, list[dict[str, Any]]] = {}
+    calls: dict[int, dict[int, dict[str, Any]]] = {}  # choice -> call index -> the call, its deltas merged
     for chunk in chunks:
         if "error" in chunk:
             return (500 if chunk["error"].get("type") == "server_error" else 503), chunk
@@ -36,15 +39,17 @@ def assemble(chat: bool, chunks: list[dict[str, Any]], id: str, created: int, mo
             index = choice.get("index", 0)
             piece = choice["delta"].get("content") if chat else choice.get("text")
             texts.setdefault(index, []).append(piece or "")
-            if choice.get("finish_reason") in ("stop", "length"):
+            if choice.get("finish_reason") in ("stop", "length", "tool_calls"):
                 finishes[index] = choice["finish_reason"]
+            for call in (choice["delta"].get("tool_calls") or ()) if chat else ():
+                _merge(calls.setdefault(index, {}), call)
             if choice.get("logprobs") is not None:
                 logprobs.setdefault(index, []).append(choice["logprobs"])
     indexes = sorted(texts) or [0]
     body: ChatCompletionResponse | CompletionResponse
     if chat:
         chat_choices = [
-            ChatCompletionChoice(index=i, message=AssistantMessage(content="".join(texts.get(i, ()))),
+            ChatCompletionChoice(index=i, message=_message("".join(texts.get(i, ())), calls.get(i)),
                                  finish_reason=finishes.get(i, "stop"),
                                  logprobs=_chat_logprobs(logprobs.get(i)))
             for i in indexes
@@ -59,6 +64,23 @@ def assemble(chat: bool, chunks: list[dict[str, Any]], id: str, created: int, mo
         ]
         body = CompletionResponse(id=id, created=created, model=model, choices=text_choices, usage=usage)
     return 200, body.model_dump(mode="json")
+
+
+def _merge(calls: dict[int, dict[str, Any]], delta: dict[str, Any]) -> None:
+    """Fold one ``delta.tool_calls`` entry into the calls: id and name come once, arguments in pieces."""
+    call = calls.setdefault(delta.get("index", 0), {"id": "", "name": "", "arguments": ""})
+    function = delta.get("function") or {}
+    call["id"] = delta.get("id") or call["id"]
+    call["name"] += function.get("name") or ""
+    call["arguments"] += function.get("arguments") or ""
+
+
+def _message(text: str, calls: dict[int, dict[str, Any]] | None) -> AssistantMessage:
+    if not calls:
+        return AssistantMessage(content=text)
+    items = [ToolCallItem(id=c["id"], function=ToolCallFunction(name=c["name"], arguments=c["arguments"]))
+             for _, c in sorted(calls.items())]  # fmt: skip
+    return AssistantMessage(content=text or None, tool_calls=items)
 
 
 def _chat_logprobs(parts: list[dict[str, Any]] | None) -> ChatLogprobs | None:

@@ -37,7 +37,9 @@ from engine.protocol import (
     CompletionChunk,
     CompletionLogprobs,
     CompletionRequest,
+    DeltaFunction,
     DeltaMessage,
+    DeltaToolCall,
     DrainReport,
     DrainRequest,
     ErrorInfo,
@@ -56,6 +58,7 @@ from engine.protocol import (
 )
 from engine.responses import assemble
 from engine.tokenizer import ChatTemplateError, ChatTokenizer
+from engine.tools import ToolCall, ToolCallText
 
 if TYPE_CHECKING:
     from common.heartbeat import Heartbeat
@@ -181,6 +184,7 @@ class Delta:
     finish_reason: FinishReason | None = None
     token_ids: tuple[int, ...] = ()
     logprobs: tuple[tuple[int, TokenLogprobs], ...] = ()  # of the shown tokens consumed, when they were asked for
+    tool_calls: tuple[ToolCall, ...] = ()  # on the last delta: the calls cut out of the answer's text
 
 
 class EngineFailure(Exception):
@@ -200,7 +204,8 @@ class TextGeneration:
     """
 
     def __init__(self, request_id: str, stream: RequestStream, tokenizer: ChatTokenizer, stop: list[str],
-                 hidden_ids: set[int], resume: Resume | None = None) -> None:  # fmt: skip
+                 hidden_ids: set[int], resume: Resume | None = None,
+                 tools: ToolCallText | None = None) -> None:  # fmt: skip
         self.request_id = request_id
         self.stream = stream
         self.created = int(time.time())
@@ -216,6 +221,7 @@ class TextGeneration:
         # A stop string is recognised only once complete, so a stream keeps back its longest possible prefix.
         self._holdback = max((len(s) for s in stop), default=1) - 1
         self._pending = ""
+        self._tools = tools  # cuts tool calls out of the text (held until the answer ends, never counted in chars)
         self.text_offset: int | None = None  # where the next token's text begins, for completion logprobs
         self.resumed_ids: list[int] = []  # the tokens another engine generated (a resume)
         if resume is not None:
@@ -266,8 +272,15 @@ class TextGeneration:
 
     def _delta(self, text: str, finish: FinishReason | None, ids: list[int],
                logprobs: list[tuple[int, TokenLogprobs]]) -> Delta:  # fmt: skip
+        calls: list[ToolCall] = []
+        if self._tools is not None:
+            if finish is None:
+                text = self._tools.feed(text)
+            else:
+                text, calls = self._tools.finish(text)
+                finish = "tool_calls" if calls else finish
         self.chars += len(text)
-        return Delta(text, finish, tuple(ids), tuple(logprobs))
+        return Delta(text, finish, tuple(ids), tuple(logprobs), tuple(calls))
 
     def _find_stop(self, text: str) -> int | None:
         hits = [i for i in (text.find(s) for s in self._stop) if i >= 0]
@@ -396,7 +409,10 @@ class EngineAPI:
                 raise ApiError(400, str(exc)) from exc
             raise
         hidden = {*self.engine.eos_token_ids, *self.tokenizer.eos_token_ids, *params.stop_token_ids}
-        generation = TextGeneration(request_id, stream, self.tokenizer, request.stop_strings(), hidden, resume)
+        text = None
+        if isinstance(request, ChatCompletionRequest) and (tools := request.tool_mode()) is not None:
+            text = ToolCallText(tools[0], request.parallel_tool_calls is not False)
+        generation = TextGeneration(request_id, stream, self.tokenizer, request.stop_strings(), hidden, resume, text)
         generation.internal, generation.model = internal, self.model_name
         return generation
 
@@ -543,7 +559,10 @@ class EngineAPI:
             logprobs = request.requested_logprobs() is not None
             async for delta in generation.deltas():
                 if delta.text or delta.finish_reason or delta.logprobs:
-                    content = DeltaMessage(content=delta.text or None)
+                    calls = [DeltaToolCall(index=i, id=c.id, type="function",
+                                           function=DeltaFunction(name=c.name, arguments=c.arguments))
+                             for i, c in enumerate(delta.tool_calls)] or None  # fmt: skip
+                    content = DeltaMessage(content=delta.text or None, tool_calls=calls)
                     scores = self.chat_logprobs(delta) if logprobs else None
                     finish = delta.finish_reason
                     choice = ChatCompletionChunkChoice(delta=content, finish_reason=finish, logprobs=scores)

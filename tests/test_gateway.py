@@ -308,9 +308,8 @@ def test_hostile_input_gets_openai_errors_never_a_5xx(gateway: Gateway) -> None:
 
 
 NOT_HONOURED = {  # OpenAI parameters the engine does not act on yet: each must be refused, never silently ignored
-    "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
-    "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}],
-    "tool_choice": "required",
+    "functions": [{"name": "get_weather", "parameters": {"type": "object"}}],
+    "function_call": "auto",
     "logit_bias": {"42": 5},
     "n": 2,
     "audio": {"voice": "alloy", "format": "wav"},

@@ -220,3 +220,83 @@ def test_a_grammar_that_cannot_be_used_is_refused_with_a_400(gateway: Gateway, r
     body = refused.value.body
     assert isinstance(body, dict) and words in body["message"], body
     assert body.get("param") in ("response_format", None), body
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": CITY}},
+         {"type": "function", "function": {"name": "get_time", "description": "The local time in a city",
+                                           "parameters": CITY}}]  # fmt: skip
+WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _calls_of_stream(chunks: Any) -> tuple[dict[int, dict[str, str]], list[str]]:
+    calls: dict[int, dict[str, str]] = {}
+    finishes = []
+    for chunk in chunks:
+        for choice in chunk.choices:
+            for call in choice.delta.tool_calls or []:
+                merged = calls.setdefault(call.index, {"id": "", "name": "", "arguments": ""})
+                merged["id"] = call.id or merged["id"]
+                merged["name"] += call.function.name or "" if call.function else ""
+                merged["arguments"] += call.function.arguments or "" if call.function else ""
+            if choice.finish_reason:
+                finishes.append(choice.finish_reason)
+    return calls, finishes
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}],
+                         ids=["required", "named"])  # fmt: skip
+def test_a_required_or_named_tool_call_follows_its_schema_streamed_and_whole(gateway: Gateway, choice: Any) -> None:
+    client = _client(gateway)
+    ask: dict[str, Any] = {"model": "demo", "messages": WEATHER, "tools": TOOLS, "tool_choice": choice,
+                           "temperature": 0, "max_tokens": 60}  # fmt: skip
+    whole = client.chat.completions.create(**ask)
+    answer = whole.choices[0]
+    assert answer.finish_reason == "tool_calls" and answer.message.content is None, answer
+    calls = answer.message.tool_calls or []
+    assert calls and all(c.id.startswith("call_") and c.type == "function" for c in calls)
+    names = {t["function"]["name"] for t in TOOLS} if choice == "required" else {"get_time"}
+    for call in calls:
+        assert call.function.name in names and isinstance(json.loads(call.function.arguments)["city"], str), call
+    streamed, finishes = _calls_of_stream(client.chat.completions.create(**ask, stream=True))
+    assert finishes == ["tool_calls"]
+    assert [(c["name"], c["arguments"]) for _, c in sorted(streamed.items())] == [
+        (c.function.name, c.function.arguments) for c in calls]  # fmt: skip
+
+
+def test_a_tool_round_trip_and_auto_answers(gateway: Gateway) -> None:
+    """A call, its result given back (role tool), then an answer: rendered through the demo's chat template."""
+    client = _client(gateway)
+    first = client.chat.completions.create(model="demo", messages=WEATHER, tools=TOOLS, tool_choice="required",  # type: ignore[arg-type]
+                                           parallel_tool_calls=False, temperature=0, max_tokens=60)  # fmt: skip
+    calls = first.choices[0].message.tool_calls or []
+    assert len(calls) == 1, first  # parallel_tool_calls false: one call
+    history = [*WEATHER, {"role": "assistant", "content": None, "tool_calls": [calls[0].model_dump()]},
+               {"role": "tool", "tool_call_id": calls[0].id, "content": '{"sky": "clear", "temp_c": 18}'}]  # fmt: skip
+    answer = client.chat.completions.create(model="demo", messages=history, tools=TOOLS, temperature=0,  # type: ignore[arg-type]
+                                            max_tokens=40)  # fmt: skip
+    choice = answer.choices[0]
+    assert choice.finish_reason in ("stop", "length", "tool_calls"), choice
+    assert choice.message.content or choice.message.tool_calls, choice
+    for call in choice.message.tool_calls or []:  # auto: a call, if the model makes one, follows its schema
+        assert call.function.name in {"get_weather", "get_time"} and "city" in json.loads(call.function.arguments)
+    none = client.chat.completions.create(model="demo", messages=WEATHER, tools=TOOLS, tool_choice="none",  # type: ignore[arg-type]
+                                          temperature=0, max_tokens=8)  # fmt: skip
+    assert none.choices[0].message.tool_calls is None and none.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize(("fields", "words"), [
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "launch"}}}, "not among the tools"),
+    ({"tool_choice": "required"}, "needs tools"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "name"),
+    ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "cannot be combined"),
+    ({"functions": [{"name": "f"}]}, "use tools"),
+    ({"tools": [{"type": "retrieval"}]}, "type"),
+])  # fmt: skip
+def test_tools_that_cannot_be_honoured_are_refused_with_a_400(gateway: Gateway, fields: dict[str, Any],
+                                                              words: str) -> None:  # fmt: skip
+    with pytest.raises(openai.BadRequestError) as refused:
+        _client(gateway).chat.completions.create(model="demo", messages=WEATHER, max_tokens=4, extra_body=fields)
+    body = refused.value.body
+    assert isinstance(body, dict) and words in body["message"], body

@@ -21,6 +21,9 @@ from processes import Gateway, start_gateway, wait_for
 
 RESUMES = 3  # restart.request_resumes, left at its default
 POISON = "poison-user"
+ANSWER_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
+    "type": "object", "properties": {"answer": {"type": "string"}, "sure": {"type": "boolean"}},
+    "required": ["answer", "sure"]}}}  # fmt: skip
 
 CHATS = ["What is the capital of France?", "Name three colours.", "Why is the sky blue?",
          "Write a haiku about rain.", "What is 12 times 12?", "Describe a cat in one sentence.",
@@ -53,6 +56,8 @@ def _requests() -> list[tuple[str, dict[str, Any]]]:
     for i in range(1, len(CHATS), 2):  # every other one with logprobs: they resume too
         chats[i][1].update(logprobs=True, top_logprobs=2)
         texts[i][1].update(logprobs=2)
+    for i in (2, 6):  # and structured outputs: the grammar goes on where it was
+        chats[i][1]["response_format"] = ANSWER_FORMAT
     return chats + texts
 
 

@@ -9,6 +9,7 @@ the active engine: its requests resumed on the replacement).
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import os
 import re
@@ -140,10 +141,13 @@ def _load(url: str, stop: threading.Event, results: dict[str, Any]) -> None:
                 stream = client.completions.create(model="demo", prompt=f"Count to {n}:", max_tokens=12, stream=True,
                                                    temperature=0)  # fmt: skip
                 text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
-            else:
-                reply = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Hi"}],
-                                                       max_tokens=12, temperature=0)  # fmt: skip
+            else:  # held to a JSON schema: one resumed after the kill below goes on in its grammar
+                hi = [{"role": "user", "content": "Hi"}]
+                reply = client.chat.completions.create(model="demo", messages=hi, max_tokens=24, temperature=0,
+                                                       response_format=GREETING)  # fmt: skip
                 text = reply.choices[0].message.content or ""
+                if reply.choices[0].finish_reason == "stop":
+                    assert set(json.loads(text)) == {"greeting", "friendly"}, text
             assert text, "an empty answer"
             results["ok"] += 1
         except Exception as exc:
@@ -158,6 +162,11 @@ def _running(gw: Any) -> int:
         return 0
     with httpx.Client(transport=httpx.HTTPTransport(uds=socket), base_url="http://engine", timeout=10) as engine:
         return int(engine.get("/health").json()["running"])
+
+
+GREETING: Any = {"type": "json_schema", "json_schema": {"name": "greeting", "schema": {
+    "type": "object", "properties": {"greeting": {"type": "string", "maxLength": 30}, "friendly": {"type": "boolean"}},
+    "required": ["greeting", "friendly"], "additionalProperties": False}}}  # fmt: skip
 
 
 def _check_logprobs(client: OpenAI) -> None:

@@ -8,7 +8,8 @@ chat template, stop strings and internal stream (token ids for resume) are the n
 
 Resume: a request resumed from another engine is submitted as prompt + the tokens already generated,
 with the rest of its max_tokens. Greedy requests continue exactly; vLLM has no way to skip a seeded
-sampler's draws, so a seeded sampled request continues from a fresh draw of the same seed.
+sampler's draws, so a seeded sampled request continues from a fresh draw of the same seed. A structured
+output's grammar replays the tokens already generated (engine/vllm/grammar.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ from engine.config import EngineConfig
 from engine.request_stream import EngineThread, RequestStream, TokenEvent, TokenLogprobs
 from engine.sampling_params import LOGPROB_FLOOR, SamplingParams
 from engine.tokenizer import model_eos_ids
+from engine.vllm.grammar import KEY as GRAMMAR_KEY
+from engine.vllm.grammar import REGISTRY, Registered
+from engine.vllm.grammar import processor as grammar_processor
 from engine.weights import WeightOrigin
 
 log = logging.getLogger("warmgate.engine.vllm")
@@ -101,6 +105,7 @@ class VllmEngine(EngineThread[_Pending]):
                                        "engine_name": f"vllm-engine-{os.getpid()}"},
             disable_log_stats=True,
             logprobs_mode="processed_logprobs",  # of the distribution sampled from, as the native engine reports
+            logits_processors=[grammar_processor()],  # structured outputs with warmgate's grammars (resumable)
             **({"kv_cache_memory_bytes": kv_bytes} if kv_bytes else {}),
             **({"enforce_eager": True} if not config.cuda_graphs else {}),
         )  # fmt: skip
@@ -153,6 +158,9 @@ class VllmEngine(EngineThread[_Pending]):
         )  # fmt: skip
         stream = RequestStream(request_id or uuid.uuid4().hex, len(prompt_ids), asyncio.get_running_loop(),
                                self._outbox)  # fmt: skip
+        if params.grammar is not None:
+            REGISTRY[stream.request_id] = Registered(params.grammar, output)
+            vllm_params.extra_args = {GRAMMAR_KEY: stream.request_id}
         self._enqueue(_Pending(stream, [*prompt_ids, *output], vllm_params))
         return stream
 
@@ -213,6 +221,7 @@ class VllmEngine(EngineThread[_Pending]):
             stream.push(TokenEvent(None, "abort"))
         self._streams.clear()
         self._top_logprobs.clear()
+        REGISTRY.clear()
 
     def _admit(self, pending: list[_Pending]) -> None:
         for p in pending:
@@ -220,6 +229,7 @@ class VllmEngine(EngineThread[_Pending]):
                 self.llm.add_request(p.stream.request_id, self._prompt(prompt_token_ids=p.prompt), p.params)
             except Exception as exc:  # vLLM refused it: that request fails, the others go on
                 p.stream.push(TokenEvent(None, "error", error=f"{type(exc).__name__}: {exc}"))
+                REGISTRY.pop(p.stream.request_id, None)
                 continue
             self._streams[p.stream.request_id] = p.stream
             if p.params.logprobs is not None:
@@ -252,6 +262,7 @@ class VllmEngine(EngineThread[_Pending]):
 
     def _drop(self, request_id: str) -> RequestStream:
         self._top_logprobs.pop(request_id, None)
+        REGISTRY.pop(request_id, None)
         return self._streams.pop(request_id)
 
     def _description(self) -> tuple[str, int, int]:
