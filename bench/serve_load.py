@@ -361,10 +361,12 @@ class HttpxClient:
 
 
 async def one_request(client: RawClient | HttpxClient, prompt: list[int], output_len: int,
-                      timeout: float) -> dict[str, Any]:  # fmt: skip
-    """One streamed completion: start/end (monotonic s), TTFT, inter-chunk gaps, output tokens, ok/error."""
-    body = json.dumps({"prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
-                       "stream": True, "stream_options": {"include_usage": True}}).encode()  # fmt: skip
+                      timeout: float, extra: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """One streamed completion: start/end (monotonic s), TTFT, inter-chunk gaps, output tokens, ok/error.
+    ``extra``: more request fields (--response-format, --logprobs)."""
+    fields = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True, "stream": True,
+              "stream_options": {"include_usage": True}}  # fmt: skip
+    body = json.dumps({**fields, **(extra or {})}).encode()
     rec: dict[str, Any] = {"prompt_len": len(prompt), "ttft": None, "itl": [], "error": None}
     stream = Stream()
     start = time.monotonic()
@@ -393,7 +395,7 @@ async def run_job(job: dict[str, Any], clients: dict[str, RawClient | HttpxClien
         for prompt in queue:
             if stop_at is not None and time.monotonic() > stop_at:
                 break
-            out.append(await one_request(client, prompt, job["output_len"], job["timeout"]))
+            out.append(await one_request(client, prompt, job["output_len"], job["timeout"], job.get("extra")))
         return out
 
     await asyncio.sleep(max(0.0, job["start_at"] - time.monotonic()))
@@ -431,12 +433,25 @@ def client_main(conn: Any, use_uvloop: bool) -> None:
         runner.run(serve())
 
 
+def request_extra(args: argparse.Namespace) -> dict[str, Any]:
+    """The request fields --response-format and --logprobs add."""
+    extra: dict[str, Any] = {}
+    if args.response_format == "json_schema":
+        from grammar_masks import SCHEMA
+
+        extra["response_format"] = {"type": "json_schema", "json_schema": {"name": "bench", "schema": SCHEMA}}
+    if args.logprobs is not None:
+        extra["logprobs"] = args.logprobs
+    return extra
+
+
 class ClientPool:
     """--client-procs client processes; a level's streams and prompts are dealt out round robin."""
 
-    def __init__(self, procs: int, client: str, use_uvloop: bool, api_key: str | None, timeout: float) -> None:
+    def __init__(self, procs: int, client: str, use_uvloop: bool, api_key: str | None, timeout: float,
+                 extra: dict[str, Any] | None = None) -> None:  # fmt: skip
         ctx = multiprocessing.get_context("spawn")
-        self.client, self.api_key, self.timeout = client, api_key, timeout
+        self.client, self.api_key, self.timeout, self.extra = client, api_key, timeout, extra
         self.conns, self.procs = [], []
         for i in range(procs):
             parent, child = ctx.Pipe()
@@ -459,7 +474,7 @@ class ClientPool:
             mine = [p for j, p in enumerate(prompts) if (j % concurrency) % n == i]
             conn.send({"target": target, "prompts": mine, "streams": streams, "output_len": output_len,
                        "timeout": self.timeout, "start_at": start_at, "stop_at": stop_at, "client": self.client,
-                       "api_key": self.api_key, "connections": streams + 4})  # fmt: skip
+                       "api_key": self.api_key, "connections": streams + 4, "extra": self.extra})  # fmt: skip
             busy.append(conn)
         results = [conn.recv() for conn in busy]
         recs = sorted((r for res in results for r in res["records"]), key=lambda r: r["start"])
@@ -736,7 +751,8 @@ class Bench:
 
     def run(self) -> None:
         a = self.args
-        self.pool = ClientPool(a.client_procs, a.client, a.client_loop != "asyncio", a.api_key, a.request_timeout)
+        self.pool = ClientPool(a.client_procs, a.client, a.client_loop != "asyncio", a.api_key, a.request_timeout,
+                               request_extra(a))  # fmt: skip
         self.result["client"] = {"procs": a.client_procs, "kind": a.client, "hello": self.pool.hello}
         say(f"{a.client_procs} client processes ({a.client} client, loop {self.pool.hello[0]['loop']}, "
             f"open files {self.pool.hello[0]['nofile']})")  # fmt: skip
@@ -1035,6 +1051,9 @@ def main() -> None:
     p.add_argument("--deadline-s", type=float,
                    help="seconds from the script's start after which no request, level or restart probe starts "
                         "(what was measured is kept)")  # fmt: skip
+    p.add_argument("--response-format", choices=("json_schema",),
+                   help="every request held to a JSON schema (bench/grammar_masks.py's)")
+    p.add_argument("--logprobs", type=int, help="every request asks for logprobs with this many alternatives")
     p.add_argument("--prompt-len", type=int, default=160)
     p.add_argument("--prompt-jitter", type=int, default=3)
     p.add_argument("--output-len", type=int, default=128)

@@ -44,12 +44,13 @@ ChildMain = Callable[[Sequence[str]], int]  # the worker's command line -> its e
 
 
 def preload(backend: str = "native") -> float:
-    """Import what every worker imports (torch, the engine, its HTTP server; vLLM's engine for the vllm
-    backend, which takes ~10 s and starts no thread); seconds it took."""
+    """Import what every worker imports (torch, the engine, its HTTP server, the grammar library; vLLM's engine for
+    the vllm backend, which takes ~10 s and starts no thread); seconds it took."""
     t = time.perf_counter()
     import fastapi  # noqa: F401
     import torch
     import uvicorn  # noqa: F401
+    import xgrammar  # noqa: F401  (structured outputs; it imports transformers: ~4 s on two cores)
 
     import engine.native.llm_engine
     import engine.server

@@ -57,6 +57,7 @@ class Grammar:
 
     spec: GrammarSpec
     compiled: xgrammar.CompiledGrammar
+    stop_ids: tuple[int, ...]  # what may follow a complete answer (ignore_eos goes on with them)
 
 
 class Grammars:
@@ -72,6 +73,7 @@ class Grammars:
         vocab = [b"" if i in special else tokenizer.token_bytes(i) for i in range(vocab_size)]
         info = xgrammar.TokenizerInfo(vocab, xgrammar.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stop_ids)
         self.vocab_size = vocab_size
+        self._stop_ids = tuple(stop_ids)
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=2, cache_enabled=False)
         self._cache: OrderedDict[str, Grammar] = OrderedDict()
 
@@ -94,7 +96,7 @@ class Grammars:
                                                               strict_mode=strict)  # fmt: skip
         except (RuntimeError, ValueError, TypeError) as exc:
             raise GrammarError(f"the JSON schema cannot be used: {_first_line(exc)}") from None
-        grammar = Grammar(spec, compiled)
+        grammar = Grammar(spec, compiled, self._stop_ids)
         self._cache[spec.key] = grammar
         while len(self._cache) > CACHE_SIZE:
             self._cache.popitem(last=False)
@@ -108,16 +110,26 @@ class GrammarState:
         import xgrammar
 
         self._matcher = xgrammar.GrammarMatcher(grammar.compiled)
+        self._stop_ids = grammar.stop_ids
         for token in generated or ():  # a resumed request: replay what the failed engine generated
-            if not self._matcher.accept_token(token):
+            if not self.accept(token):
                 raise GrammarError(f"the resumed output does not follow its grammar (token {token})")
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the tokens the grammar allows next into ``bitmask[row]``."""
-        self._matcher.fill_next_token_bitmask(bitmask, row)
+        """Write the tokens the grammar allows next into ``bitmask[row]``: after a complete answer (a request that
+        ignores eos goes on), stop tokens only."""
+        if not self._matcher.is_terminated():
+            self._matcher.fill_next_token_bitmask(bitmask, row)
+            return
+        bitmask[row] = 0
+        for token in self._stop_ids:
+            word, bit = divmod(token, 32)
+            bitmask[row, word] |= (1 << bit) - (1 << 32 if bit == 31 else 0)  # int32: bit 31 is the sign
 
     def accept(self, token: int) -> bool:
         """Advance by the sampled token; False if the grammar does not allow it (the mask was not applied)."""
+        if self._matcher.is_terminated():
+            return token in self._stop_ids
         return bool(self._matcher.accept_token(token))
 
     @property

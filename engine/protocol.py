@@ -230,6 +230,10 @@ class SamplingRequest(OpenAIModel):
         """How many alternatives each token's logprobs list, if the client asked for logprobs."""
         return None
 
+    def requested_prompt_logprobs(self) -> int | None:
+        """The same for the prompt's tokens (an echo with logprobs)."""
+        return None
+
     def grammar(self) -> GrammarSpec | None:
         """What the answer is held to (response_format), if anything."""
         return self.response_format.grammar() if self.response_format is not None else None
@@ -252,6 +256,7 @@ class SamplingRequest(OpenAIModel):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logprobs=self.requested_logprobs(),
+            prompt_logprobs=self.requested_prompt_logprobs(),
             grammar=grammar,
         )
 
@@ -397,6 +402,7 @@ class ChatCompletionRequest(SamplingRequest):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int]
+    max_tokens: int | None = Field(None, ge=0)  # 0: only the prompt, scored (echo)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -412,12 +418,21 @@ class CompletionRequest(SamplingRequest):
                 raise ValueError("only one prompt per request is supported")
         return prompt
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, echo: bool) -> bool:
-        if echo:
-            raise ValueError("echo is not supported")
-        return echo
+    @model_validator(mode="after")
+    def _nothing_only_with_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 asks for nothing: it needs echo (to score the prompt)")
+        return self
+
+    def echoes(self) -> bool:
+        """Whether the prompt is echoed now: asked, and not already sent by the engine a resumed request left."""
+        return self.echo and not (self.warmgate_resume is not None and self.warmgate_resume.started)
+
+    def prompt_text(self) -> str | None:
+        """The prompt as the client wrote it, when it was text."""
+        if isinstance(self.prompt, str):
+            return self.prompt
+        return self.prompt[0] if isinstance(self.prompt[0], str) else None
 
     @field_validator("suffix")
     @classmethod
@@ -435,6 +450,9 @@ class CompletionRequest(SamplingRequest):
 
     def requested_logprobs(self) -> int | None:
         return self.logprobs
+
+    def requested_prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echoes() else None
 
 
 # --- responses --------------------------------------------------------------------------------------------------

@@ -39,6 +39,9 @@ class TokenEvent:
     finish_reason: str | None = None  # "stop" (eos / stop token), "length", "abort", "error"
     error: str | None = None
     logprobs: TokenLogprobs | None = None  # when the request asked for them
+    # On a request's first event, when it asked for them: each prompt token's (None for the first, which nothing
+    # predicts), in the plain softmax of the logits.
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
 
 class RequestStream:

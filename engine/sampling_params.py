@@ -25,20 +25,20 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # report each token's logprob and this many most likely alternatives (None: none)
     grammar: Grammar | None = None  # the answer is held to it (structured outputs), compiled by the server
+    prompt_logprobs: int | None = None  # also each prompt token's logprob and its alternatives (echo)
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError("max_tokens must be at least 1")
+        if self.max_tokens < 0:
+            raise ValueError("max_tokens must be at least 0 (0: the prompt is only scored, with echo)")
         if self.temperature < 0:
             raise ValueError("temperature must be >= 0")
         if not 0 < self.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError("top_k must be >= 0 (0 disables it)")
-        if self.grammar is not None and self.ignore_eos:
-            raise ValueError("ignore_eos cannot be combined with a response_format: the answer ends with its JSON")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (value := getattr(self, name)) is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}]")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2]")

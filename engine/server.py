@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -223,6 +224,7 @@ class TextGeneration:
         self._pending = ""
         self._tools = tools  # cuts tool calls out of the text (held until the answer ends, never counted in chars)
         self.text_offset: int | None = None  # where the next token's text begins, for completion logprobs
+        self.prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # from the first event, if asked
         self.resumed_ids: list[int] = []  # the tokens another engine generated (a resume)
         if resume is not None:
             self.request_id, self.created = resume.id, resume.created
@@ -241,6 +243,8 @@ class TextGeneration:
         """Text as it is generated; the last Delta carries the finish reason ("stop" or "length")."""
         pending, ids, logprobs = self._pending, [], []
         async for event in self.stream:
+            if event.prompt_logprobs is not None:
+                self.prompt_logprobs = event.prompt_logprobs
             if event.finish_reason == "error":
                 self.finished = True
                 raise EngineFailure(500, f"engine error: {event.error or 'unknown'}")
@@ -463,6 +467,27 @@ class EngineAPI:
             for token, lp in delta.logprobs
         ])  # fmt: skip
 
+    def echo_choice(self, request: CompletionRequest, generation: TextGeneration, ids: list[int],
+                    logprobs: bool) -> CompletionChoice:  # fmt: skip
+        """The echoed prompt: its text and, when asked, each token's logprob (the first one's is null); the
+        completion's text_offset goes on after it."""
+        text = self.tokenizer.token_text
+        pieces = [text(t) for t in ids]
+        prompt = request.prompt_text()
+        generation.text_offset = sum(len(p) for p in pieces)
+        if not logprobs:
+            return CompletionChoice(text=prompt if prompt is not None else "".join(pieces), finish_reason=None)
+        scores = generation.prompt_logprobs or (None,) * len(ids)
+        lps = CompletionLogprobs(
+            tokens=pieces,
+            token_logprobs=[lp.logprob if lp is not None else None for lp in scores],
+            top_logprobs=[{**{text(t): v for t, v in lp.top}, pieces[i]: lp.logprob} if lp is not None else None
+                          for i, lp in enumerate(scores)],
+            text_offset=list(itertools.accumulate((len(p) for p in pieces[:-1]), initial=0)),
+        )  # fmt: skip
+        return CompletionChoice(text=prompt if prompt is not None else "".join(pieces), finish_reason=None,
+                                logprobs=lps)  # fmt: skip
+
     def completion_logprobs(self, generation: TextGeneration, delta: Delta) -> CompletionLogprobs:
         """A text completion chunk's logprobs, in the legacy shape; ``top_logprobs`` holds the sampled token too,
         as OpenAI's and vLLM's do, and ``text_offset`` counts the tokens' text from the completion's start."""
@@ -594,7 +619,11 @@ class EngineAPI:
             yield _opening(generation, ids)
         try:
             logprobs = request.requested_logprobs() is not None
+            echo = request.echoes()
             async for delta in generation.deltas():
+                if echo:  # the prompt first, with its logprobs (they came with the first token)
+                    echo = False
+                    yield chunk([self.echo_choice(request, generation, ids, logprobs)])
                 if delta.text or delta.finish_reason or delta.logprobs:
                     scores = self.completion_logprobs(generation, delta) if logprobs else None
                     choice = CompletionChoice(text=delta.text, finish_reason=delta.finish_reason, logprobs=scores)

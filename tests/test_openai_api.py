@@ -210,7 +210,6 @@ def test_structured_outputs_streamed_whole_on_both_routes_and_as_any_object(gate
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/missing"}}}, {}, "missing"),
     ({"type": "json_schema"}, {}, "json_schema"),
     ({"type": "xml"}, {}, "type"),
-    ({"type": "json_object"}, {"ignore_eos": True}, "ignore_eos"),
 ])  # fmt: skip
 def test_a_grammar_that_cannot_be_used_is_refused_with_a_400(gateway: Gateway, response_format: dict[str, Any],
                                                              extra: dict[str, Any], words: str) -> None:  # fmt: skip
@@ -300,3 +299,47 @@ def test_tools_that_cannot_be_honoured_are_refused_with_a_400(gateway: Gateway, 
         _client(gateway).chat.completions.create(model="demo", messages=WEATHER, max_tokens=4, extra_body=fields)
     body = refused.value.body
     assert isinstance(body, dict) and words in body["message"], body
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_a_reference_forward_pass(gateway: Gateway, demo_path) -> None:
+    """Evaluation harnesses score a text with echo + logprobs and max_tokens 0: every prompt token's logprob (the
+    first one's null) equals transformers' in fp32 within 1e-3; with max_tokens > 0 the completion follows it, and
+    the stream carries the same."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = demo_path("bf16")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    text = "The quick brown fox jumps over the lazy dog. Évidemment, 日本語 too."
+    client = _client(gateway)
+    scored = client.completions.create(model="demo", prompt=text, max_tokens=0, echo=True, logprobs=3)
+    choice = scored.choices[0]
+    assert choice.text == text and choice.finish_reason == "length", choice
+    assert scored.usage is not None and scored.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert lp is not None and lp.token_logprobs and lp.top_logprobs and lp.tokens and lp.text_offset is not None
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    with torch.no_grad():
+        reference = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and len(lp.tokens) == ids.shape[1]
+    for i in range(1, ids.shape[1]):
+        expected = float(reference[i - 1, ids[0, i]])
+        assert math.isclose(lp.token_logprobs[i], expected, abs_tol=1e-3), (i, lp.tokens[i])
+        top = lp.top_logprobs[i]
+        assert top is not None and len(top) <= 4
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+
+    ask: dict[str, Any] = {"model": "demo", "prompt": PROMPT, "max_tokens": 6, "echo": True, "logprobs": 1,
+                           "temperature": 0}  # fmt: skip
+    whole = client.completions.create(**ask).choices[0]
+    plain = client.completions.create(model="demo", prompt=PROMPT, max_tokens=6, temperature=0).choices[0]
+    assert whole.text == PROMPT + plain.text
+    assert whole.logprobs is not None and whole.logprobs.tokens and "".join(whole.logprobs.tokens) == whole.text
+    pieces, tokens = [], []
+    for chunk in client.completions.create(**ask, stream=True):
+        for c in chunk.choices:
+            pieces.append(c.text)
+            tokens += c.logprobs.tokens or [] if c.logprobs else []
+    assert "".join(pieces) == whole.text and tokens == whole.logprobs.tokens
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="demo", prompt=PROMPT, max_tokens=0)  # nothing asked for

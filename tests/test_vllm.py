@@ -187,6 +187,18 @@ def _check_logprobs(client: OpenAI) -> None:
         # vLLM's processed logprobs, after temperature; its CPU sampler leaves top-k out of them (the four summed to
         # 0.946 here), where the native engine's sum to 1 (tests/test_openai_api.py).
         assert sum(math.exp(v) for v in top.values()) < 1 + 1e-3, top
+    scored = client.completions.create(model="demo", prompt="The three primary colours are", max_tokens=0, echo=True,
+                                       logprobs=2)  # fmt: skip
+    lp = scored.choices[0].logprobs
+    assert scored.choices[0].text == "The three primary colours are" and lp is not None and lp.token_logprobs
+    assert lp.token_logprobs[0] is None and all(v is not None and v <= 0 for v in lp.token_logprobs[1:]), lp
+    called = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Weather in Oslo?"}],
+                                            tools=[{"type": "function", "function": {"name": "weather", "parameters": {
+                                                "type": "object", "properties": {"city": {"type": "string"}},
+                                                "required": ["city"]}}}],
+                                            tool_choice="required", max_tokens=40, temperature=0)  # fmt: skip
+    calls = called.choices[0].message.tool_calls or []
+    assert calls and calls[0].function.name == "weather" and "city" in json.loads(calls[0].function.arguments)
 
 
 def test_serve_with_the_vllm_backend_restarts_under_load(demo_path, tmp_path: Path) -> None:

@@ -25,7 +25,7 @@ from engine.grammar import GrammarState, allocate_bitmask, apply_bitmask
 from engine.native.kv_cache import BlockAllocator, KVCache, KVCacheSpec
 from engine.native.model import ModelArgs, Transformer
 from engine.native.model_runner import ModelRunner
-from engine.native.sampler import sample, skip_draws
+from engine.native.sampler import prompt_logprobs, sample, skip_draws
 from engine.native.scheduler import Scheduler, Sequence
 from engine.request_stream import EngineThread, RequestStream, TokenEvent
 from engine.sampling_params import SamplingParams
@@ -91,13 +91,15 @@ class LLMEngine(EngineThread[Sequence]):
         """
         self._check(prompt_ids, params)
         output = list(output_ids or [])
-        if len(output) >= params.max_tokens:
+        if output and len(output) >= params.max_tokens:
             raise ValueError(f"the request already has {len(output)} of its {params.max_tokens} tokens")
         stream = RequestStream(request_id or uuid.uuid4().hex, len(prompt_ids), asyncio.get_running_loop(),
                                self._outbox)  # fmt: skip
         seq = self._sequence(stream.request_id, prompt_ids, params, stream.push)
         if params.grammar is not None:
             seq.grammar = GrammarState(params.grammar, output)  # a resume replays what was generated
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None]  # the first prompt token: nothing predicts it
         if output:
             seq.output = output
             if seq.generator is not None and not params.greedy:
@@ -187,10 +189,16 @@ class LLMEngine(EngineThread[Sequence]):
             return
         self._publish()
         self.stats.step_begin(step)
-        out = self.runner.run(step)
+        scored = frozenset(i for i, work in enumerate(step) if _scores_prompt(work))
+        out = self.runner.run(step, scored)
+        for i, logits in out.all_logits.items():
+            _collect_prompt_logprobs(step[i], logits)
         for work in step:
             work.seq.computed = work.start + work.count
         rows = [i for i, work in enumerate(step) if work.samples]  # partial prompt chunks sample nothing
+        for i in [i for i in rows if step[i].seq.params.max_tokens == 0]:  # a prompt scored, nothing generated
+            self._finish(step[i].seq, TokenEvent(None, "length", prompt_logprobs=_prompt_logprobs(step[i].seq)))
+            rows.remove(i)
         if rows:
             logits = out.logits if len(rows) == len(step) else out.logits[rows]
             self._advance([step[i].seq for i in rows], logits, [out.argmax[i] for i in rows])
@@ -217,10 +225,11 @@ class LLMEngine(EngineThread[Sequence]):
                 reason = "stop"
             elif len(seq.output) >= p.max_tokens or seq.length >= self.max_model_len:
                 reason = "length"
+            event = TokenEvent(token, reason, logprobs=logprobs, prompt_logprobs=_prompt_logprobs(seq))
             if reason:
-                self._finish(seq, TokenEvent(token, reason, logprobs=logprobs))
+                self._finish(seq, event)
             else:
-                seq.emit(TokenEvent(token, logprobs=logprobs))
+                seq.emit(event)
 
     def _finish(self, seq: Sequence, event: TokenEvent) -> None:
         self.scheduler.finish(seq)
@@ -293,6 +302,29 @@ class _Timer:
     def __exit__(self, *exc: object) -> None:
         self.phases[self.name] = time.perf_counter() - self.start
         log.info("event=startup phase=%s seconds=%.3f", self.name, self.phases[self.name])
+
+
+def _scores_prompt(work: Any) -> bool:
+    """The step computes prompt tokens of a sequence whose prompt logprobs are still being collected."""
+    seq = work.seq
+    return seq.prompt_logprobs is not None and work.start < len(seq.prompt)
+
+
+def _collect_prompt_logprobs(work: Any, logits: torch.Tensor) -> None:
+    """Row j of ``logits`` (the work's token at position start + j) predicts the prompt token at start + j + 1:
+    its logprob, for the positions not collected yet (a preempted sequence computes its prompt again)."""
+    seq = work.seq
+    got = seq.prompt_logprobs
+    lo, hi = max(0, len(got) - work.start - 1), min(work.count, len(seq.prompt) - work.start - 1)
+    if hi > lo:
+        got += prompt_logprobs(logits[lo:hi], seq.prompt[work.start + lo + 1 : work.start + hi + 1],
+                               seq.params.prompt_logprobs or 0)  # fmt: skip
+
+
+def _prompt_logprobs(seq: Sequence) -> tuple[Any, ...] | None:
+    """The prompt's logprobs, once (on the sequence's first event)."""
+    got, seq.prompt_logprobs = seq.prompt_logprobs, None
+    return tuple(got) if got is not None else None
 
 
 def _collect(out: list[int], event: TokenEvent) -> None:

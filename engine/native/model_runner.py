@@ -10,9 +10,10 @@ write their keys into the null block and belong to no sequence; padding sequence
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -38,6 +39,7 @@ def mixed_buckets(max_tokens: int) -> list[int]:
 class StepOutput:
     logits: torch.Tensor  # [S, vocab] float32, row s for the step's s-th sequence
     argmax: list[int]  # row-wise argmax of logits
+    all_logits: dict[int, torch.Tensor] = field(default_factory=dict)  # s -> [count, vocab]: every token's (asked)
 
 
 class ModelRunner:
@@ -126,12 +128,13 @@ class ModelRunner:
     # -- running ----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, step: list[Scheduled]) -> StepOutput:
-        """Logits of each scheduled sequence's last token this step (meaningful where ``samples``)."""
+    def run(self, step: list[Scheduled], every_token: frozenset[int] = frozenset()) -> StepOutput:
+        """Logits of each scheduled sequence's last token this step (meaningful where ``samples``), and of every
+        token of the sequences at the indexes ``every_token`` (prompt logprobs: such a step runs eagerly)."""
         seqs = len(step)
         decode = all(w.count == 1 for w in step)
         tokens = sum(w.count for w in step)
-        if self.use_graphs:
+        if self.use_graphs and not every_token:
             if decode:
                 key = ("decode", _bucket(self.decode_sizes, seqs))
             else:
@@ -148,8 +151,15 @@ class ModelRunner:
         batch = self._batch(tokens, seqs, max(w.count for w in step))
         if self.device.type == "cpu":
             self._host_metadata(batch, step)
-        logits = self._forward(batch)
-        return StepOutput(logits, logits.argmax(dim=-1).tolist())
+        hidden = self.model.forward(batch, self.kv)
+        logits = self.model.logits(hidden[batch.logits_indices])
+        every: dict[int, torch.Tensor] = {}
+        if every_token:
+            starts = itertools.accumulate((w.count for w in step), initial=0)
+            for i, (w, begin) in enumerate(zip(step, starts, strict=False)):
+                if i in every_token:
+                    every[i] = self.model.logits(hidden[begin : begin + w.count]).float()
+        return StepOutput(logits, logits.argmax(dim=-1).tolist(), every)
 
     @torch.inference_mode()
     def hidden_states(self, step: list[Scheduled]) -> torch.Tensor:

@@ -91,17 +91,29 @@ def _logprobs(logits: torch.Tensor, params: list[SamplingParams], chosen: list[i
         if i in drawn:
             p = drawn[i]
             dist[j] = (p / p.sum()).log()
+    reported = _report(dist, [chosen[i] for i in wanted], [params[i].logprobs or 0 for i in wanted])
+    for i, entry in zip(wanted, reported, strict=True):
+        out[i] = entry
+    return out
+
+
+def prompt_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprobs]:
+    """Logprobs of ``tokens`` (the prompt's next tokens) in the rows of ``logits`` [n, vocab] (plain softmax), each
+    with its ``top`` alternatives."""
+    return _report(torch.log_softmax(logits.float(), dim=-1), tokens, [top] * len(tokens))
+
+
+def _report(dist: torch.Tensor, tokens: list[int], tops: list[int]) -> list[TokenLogprobs]:
+    """Row r's logprob of ``tokens[r]`` and its ``tops[r]`` best alternatives, from log-probabilities ``dist``; one
+    copy to the host."""
     dist = dist.clamp_min(LOGPROB_FLOOR)
-    index = torch.tensor([chosen[i] for i in wanted], device=dist.device).unsqueeze(1)
+    index = torch.tensor(tokens, device=dist.device).unsqueeze(1)
     picked = dist.gather(1, index).squeeze(1)
-    k = max(params[i].logprobs or 0 for i in wanted)
+    k = max(tops, default=0)
     values, ids = dist.topk(k, dim=-1) if k else (dist[:, :0], dist[:, :0].long())
     host = torch.cat([picked.unsqueeze(1), values, ids.to(dist.dtype)], dim=1).tolist()
-    for j, i in enumerate(wanted):
-        row, n = host[j], params[i].logprobs or 0
-        top = tuple((int(row[1 + k + t]), row[1 + t]) for t in range(n))
-        out[i] = TokenLogprobs(row[0], top)
-    return out
+    return [TokenLogprobs(row[0], tuple((int(row[1 + k + t]), row[1 + t]) for t in range(n)))
+            for row, n in zip(host, tops, strict=True)]  # fmt: skip
 
 
 def skip_draws(generator: torch.Generator, steps: int, vocab: int, device: torch.device) -> None:

@@ -23,7 +23,7 @@ from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.grammar import GrammarState
-    from engine.request_stream import TokenEvent
+    from engine.request_stream import TokenEvent, TokenLogprobs
 
 
 @dataclass(eq=False)  # identity: the scheduler looks sequences up in its lists every step
@@ -39,6 +39,7 @@ class Sequence:
     computed: int = 0  # leading tokens whose keys and values are in the cache
     preemptions: int = 0
     grammar: GrammarState | None = None  # where the answer is in its grammar (structured outputs)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # collected by position while it is prefilled
 
     @property
     def length(self) -> int:

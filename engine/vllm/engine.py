@@ -116,6 +116,8 @@ class VllmEngine(EngineThread[_Pending]):
 
         self._streams: dict[str, RequestStream] = {}
         self._top_logprobs: dict[str, int] = {}  # request id -> alternatives it asks for, if it asks for logprobs
+        self._prompt_logprobs: dict[str, tuple[list[int], int]] = {}  # request id -> (prompt, alternatives): echo
+        self._score_only: set[str] = set()  # max_tokens 0: vLLM generates one token, which nobody gets
         t = time.perf_counter()
         self._warm_up()
         self.startup_phases["warmup"] = time.perf_counter() - t
@@ -144,23 +146,28 @@ class VllmEngine(EngineThread[_Pending]):
         output = list(output_ids or [])
         if not prompt_ids:
             raise ValueError("the prompt is empty")
-        if len(output) >= params.max_tokens:
+        if output and len(output) >= params.max_tokens:
             raise ValueError(f"the request already has {len(output)} of its {params.max_tokens} tokens")
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                              f"max_model_len ({self.max_model_len})")  # fmt: skip
         stop_ids = [*params.stop_token_ids, *([] if params.ignore_eos else self.eos_token_ids)]
         vllm_params = self._sampling(
-            max_tokens=params.max_tokens - len(output), temperature=params.temperature, top_p=params.top_p,
+            max_tokens=max(1, params.max_tokens - len(output)), temperature=params.temperature, top_p=params.top_p,
             top_k=params.top_k, seed=params.seed, presence_penalty=params.presence_penalty,
             frequency_penalty=params.frequency_penalty, stop_token_ids=stop_ids, ignore_eos=params.ignore_eos,
             detokenize=False, output_kind=self._delta, logprobs=params.logprobs,
+            prompt_logprobs=params.prompt_logprobs,
         )  # fmt: skip
         stream = RequestStream(request_id or uuid.uuid4().hex, len(prompt_ids), asyncio.get_running_loop(),
                                self._outbox)  # fmt: skip
         if params.grammar is not None:
             REGISTRY[stream.request_id] = Registered(params.grammar, output)
             vllm_params.extra_args = {GRAMMAR_KEY: stream.request_id}
+        if params.prompt_logprobs is not None:
+            self._prompt_logprobs[stream.request_id] = (list(prompt_ids), params.prompt_logprobs)
+        if params.max_tokens == 0:
+            self._score_only.add(stream.request_id)
         self._enqueue(_Pending(stream, [*prompt_ids, *output], vllm_params))
         return stream
 
@@ -221,6 +228,8 @@ class VllmEngine(EngineThread[_Pending]):
             stream.push(TokenEvent(None, "abort"))
         self._streams.clear()
         self._top_logprobs.clear()
+        self._prompt_logprobs.clear()
+        self._score_only.clear()
         REGISTRY.clear()
 
     def _admit(self, pending: list[_Pending]) -> None:
@@ -252,16 +261,36 @@ class VllmEngine(EngineThread[_Pending]):
             ids = list(completion.token_ids)
             top = self._top_logprobs.get(out.request_id, 0)
             logprobs = completion.logprobs or [None] * len(ids)
+            prompt = self._prompt_scores(out)
+            if out.request_id in self._score_only:  # the prompt scored: its one generated token is dropped
+                stream.push(TokenEvent(None, "length", prompt_logprobs=prompt))
+                if not out.finished:
+                    self.llm.abort_request([out.request_id])
+                self._drop(out.request_id)
+                continue
             for i, (token, alternatives) in enumerate(zip(ids, logprobs, strict=True)):
                 stream.push(TokenEvent(token, reason if i == len(ids) - 1 else None,
-                                       logprobs=_token_logprobs(token, alternatives, top)))  # fmt: skip
+                                       logprobs=_token_logprobs(token, alternatives, top),
+                                       prompt_logprobs=prompt if i == 0 else None))  # fmt: skip
             if out.finished:
                 if not ids:
                     stream.push(TokenEvent(None, reason))
                 self._drop(out.request_id)
 
+    def _prompt_scores(self, out: Any) -> tuple[TokenLogprobs | None, ...] | None:
+        """The prompt's logprobs, on the request's first output (vLLM's: the first token's is None)."""
+        asked = self._prompt_logprobs.pop(out.request_id, None)
+        if asked is None:
+            return None
+        prompt, top = asked
+        scores = out.prompt_logprobs or [None] * len(prompt)
+        return tuple(_token_logprobs(t, a, top) if a is not None else None
+                     for t, a in zip(prompt, scores, strict=False))  # fmt: skip
+
     def _drop(self, request_id: str) -> RequestStream:
         self._top_logprobs.pop(request_id, None)
+        self._prompt_logprobs.pop(request_id, None)
+        self._score_only.discard(request_id)
         REGISTRY.pop(request_id, None)
         return self._streams.pop(request_id)
 
