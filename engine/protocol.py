@@ -125,6 +125,18 @@ class ChatMessage(OpenAIModel):
         return "\n".join(part.text or "" for part in self.content)
 
 
+MAX_CHOICES = 16  # choices per request (n times the prompts): each one is a sequence in the engine's batch
+
+
+class ChoiceResume(OpenAIModel):
+    """Where one choice of a request with several stood when its engine failed."""
+
+    index: int = Field(ge=0, lt=MAX_CHOICES)
+    output_ids: list[int] = []
+    chars: int = Field(0, ge=0)
+    finished: bool = False  # its last event reached the client: nothing more to generate
+
+
 class Resume(OpenAIModel):
     """Internal, gateway -> engine: continue a request whose engine failed, from what the client has.
 
@@ -138,7 +150,9 @@ class Resume(OpenAIModel):
     prompt_ids: Annotated[list[int], Field(min_length=1)]
     output_ids: list[int]
     chars: int = Field(ge=0)
-    started: bool = False  # the client has the stream's first event (a chat's role chunk)
+    started: bool = False  # the client has the stream's first events (a chat's role chunks, an echo)
+    prompts: list[Annotated[list[int], Field(min_length=1)]] | None = None  # a request with several prompts: all
+    choices: list[ChoiceResume] | None = None  # a request with several choices: each one's (not the fields above)
 
 
 class InternalEvent(OpenAIModel):
@@ -147,7 +161,10 @@ class InternalEvent(OpenAIModel):
     ids: list[int] = []  # tokens consumed since the previous event
     chars: int = 0  # characters of text sent, this event included
     finish: FinishReason | None = None
+    choice: int = 0  # the choice the event is of
     prompt_ids: list[int] | None = None  # on the stream's first event only, with the response's id and model
+    prompts: list[list[int]] | None = None  # the first event of a request with several prompts: all of them
+    choices: int = 1  # the first event: how many choices the response has
     id: str | None = None
     created: int | None = None
     model: str | None = None
@@ -189,7 +206,7 @@ class SamplingRequest(OpenAIModel):
     temperature: float | None = Field(None, ge=0, le=2)  # default 1.0, as OpenAI's
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)  # extension; 0 or -1 (vLLM's spelling) turns it off
-    n: int | None = 1
+    n: int | None = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -202,13 +219,6 @@ class SamplingRequest(OpenAIModel):
     logit_bias: dict[str, float] | None = None  # OpenAI's: refused unless empty (not honoured)
     response_format: ResponseFormat | None = None  # vLLM takes it on text completions too
     warmgate_resume: Resume | None = None  # internal: set by the gateway only (it drops a client's)
-
-    @field_validator("n")
-    @classmethod
-    def _only_one_choice(cls, n: int | None) -> int | None:
-        if n not in (None, 1):
-            raise ValueError("n other than 1 is not supported")
-        return n
 
     @field_validator("logit_bias")
     @classmethod
@@ -242,15 +252,15 @@ class SamplingRequest(OpenAIModel):
         """Whether a stream should end with a usage chunk."""
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, max_tokens: int, grammar: Grammar | None = None) -> SamplingParams:
-        """The engine's sampling settings for this request (max_tokens resolved and grammar compiled by the
-        server)."""
+    def sampling_params(self, max_tokens: int, grammar: Grammar | None = None, choice: int = 0) -> SamplingParams:
+        """The engine's sampling settings for this request's choice ``choice`` (max_tokens resolved and grammar
+        compiled by the server); a seeded request's choices draw from seed + choice, so that they differ."""
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=max(self.top_k or 0, 0),
-            seed=self.seed,
+            seed=None if self.seed is None else self.seed + choice,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             stop_token_ids=list(self.stop_token_ids or []),
@@ -401,7 +411,7 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(None, ge=0)  # 0: only the prompt, scored (echo)
     echo: bool = False
     suffix: str | None = None
@@ -410,13 +420,21 @@ class CompletionRequest(SamplingRequest):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt: str | list[str] | list[int]) -> str | list[str] | list[int]:
-        if isinstance(prompt, list):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            if isinstance(prompt[0], str) and len(prompt) != 1:
-                raise ValueError("only one prompt per request is supported")
+    def _some_prompt(cls, prompt: str | list[str] | list[int] | list[list[int]]) -> Any:
+        if isinstance(prompt, list) and not prompt:
+            raise ValueError("prompt must not be empty")
         return prompt
+
+    def prompt_count(self) -> int:
+        """How many prompts: a list of strings or of token-id lists is several."""
+        prompt = self.prompt
+        return len(prompt) if isinstance(prompt, list) and not isinstance(prompt[0], int) else 1
+
+    @model_validator(mode="after")
+    def _choices_within_the_limit(self) -> CompletionRequest:
+        if (self.n or 1) * self.prompt_count() > MAX_CHOICES:
+            raise ValueError(f"n ({self.n}) times the {self.prompt_count()} prompts passes {MAX_CHOICES} choices")
+        return self
 
     @model_validator(mode="after")
     def _nothing_only_with_echo(self) -> CompletionRequest:
@@ -428,11 +446,11 @@ class CompletionRequest(SamplingRequest):
         """Whether the prompt is echoed now: asked, and not already sent by the engine a resumed request left."""
         return self.echo and not (self.warmgate_resume is not None and self.warmgate_resume.started)
 
-    def prompt_text(self) -> str | None:
-        """The prompt as the client wrote it, when it was text."""
+    def prompt_text(self, index: int = 0) -> str | None:
+        """Prompt ``index`` as the client wrote it, when it was text."""
         if isinstance(self.prompt, str):
             return self.prompt
-        return self.prompt[0] if isinstance(self.prompt[0], str) else None
+        return self.prompt[index] if isinstance(self.prompt[index], str) else None  # type: ignore[return-value]
 
     @field_validator("suffix")
     @classmethod
@@ -443,9 +461,9 @@ class CompletionRequest(SamplingRequest):
 
     @field_validator("best_of")
     @classmethod
-    def _one_best(cls, best_of: int | None) -> int | None:
-        if best_of not in (None, 1):
-            raise ValueError("only best_of=1 is supported")
+    def _best_of_n(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        if best_of is not None and best_of != (info.data.get("n") or 1):
+            raise ValueError("best_of other than n is not supported (every choice generated is returned)")
         return best_of
 
     def requested_logprobs(self) -> int | None:

@@ -15,7 +15,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from fastapi import FastAPI, Request
@@ -34,6 +34,7 @@ from engine.protocol import (
     ChatCompletionRequest,
     ChatLogprobs,
     ChatTokenLogprob,
+    ChoiceResume,
     CompletionChoice,
     CompletionChunk,
     CompletionLogprobs,
@@ -198,24 +199,21 @@ class EngineFailure(Exception):
 
 
 class TextGeneration:
-    """One engine request as text: detokenized deltas, cut at the first stop string, with its tokens counted.
+    """One choice of a request, as text: detokenized deltas, cut at the first stop string, with its tokens counted.
 
-    A resumed request (``resume``) continues another engine's: its decoder is fed the tokens generated
-    there, one by one as there, and the text after what the client already received comes first.
+    A resumed choice (``resumed``) continues another engine's: its decoder is fed the tokens generated there, one
+    by one as there, and the text after what the client already received comes first.
     """
 
-    def __init__(self, request_id: str, stream: RequestStream, tokenizer: ChatTokenizer, stop: list[str],
-                 hidden_ids: set[int], resume: Resume | None = None,
+    def __init__(self, index: int, prompt_ids: list[int], stream: RequestStream, tokenizer: ChatTokenizer,
+                 stop: list[str], hidden_ids: set[int], resumed: ChoiceResume | None = None,
                  tools: ToolCallText | None = None) -> None:  # fmt: skip
-        self.request_id = request_id
+        self.index = index  # of the choice in the response
+        self.prompt_ids = prompt_ids
         self.stream = stream
-        self.created = int(time.time())
-        self.started = time.monotonic()
         self.completion_tokens = 0
         self.chars = 0  # characters of text yielded so far
         self.finished = False
-        self.internal = False  # the gateway's internal stream: token ids after every event
-        self.model = ""
         self._decoder = tokenizer.incremental_decoder()
         self._stop = stop
         self._hidden_ids = hidden_ids  # eos and stop tokens end the text; they are not part of it
@@ -226,12 +224,11 @@ class TextGeneration:
         self.text_offset: int | None = None  # where the next token's text begins, for completion logprobs
         self.prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # from the first event, if asked
         self.resumed_ids: list[int] = []  # the tokens another engine generated (a resume)
-        if resume is not None:
-            self.request_id, self.created = resume.id, resume.created
-            text = "".join(self._decoder.add(token) for token in resume.output_ids)
-            self.completion_tokens, self.chars = len(resume.output_ids), resume.chars
-            self._pending = text[resume.chars :]
-            self.resumed_ids = list(resume.output_ids)
+        if resumed is not None:
+            text = "".join(self._decoder.add(token) for token in resumed.output_ids)
+            self.completion_tokens, self.chars = len(resumed.output_ids), resumed.chars
+            self._pending = text[resumed.chars :]
+            self.resumed_ids = list(resumed.output_ids)
 
     def close(self) -> None:
         """Cancel the engine request if it is still running (client gone, response abandoned)."""
@@ -289,6 +286,53 @@ class TextGeneration:
     def _find_stop(self, text: str) -> int | None:
         hits = [i for i in (text.find(s) for s in self._stop) if i >= 0]
         return min(hits) if hits else None
+
+@dataclass
+class Answer:
+    """An admitted request: its choices still to generate (one TextGeneration each), under one response id."""
+
+    request_id: str
+    created: int
+    prompts: list[list[int]]
+    count: int  # choices in the response: n times the prompts
+    choices: list[TextGeneration]
+    internal: bool  # the gateway's internal stream: token ids after every event
+    started_before: bool = False  # a resumed request whose first events (role chunks, echo) the client has
+    done_tokens: int = 0  # tokens of the choices a failed engine finished (a resume): in the usage
+    began: float = field(default_factory=time.monotonic)
+
+    async def deltas(self) -> AsyncIterator[tuple[TextGeneration, Delta]]:
+        """Every choice's deltas, as they come."""
+        if len(self.choices) == 1:
+            choice = self.choices[0]
+            async for delta in choice.deltas():
+                yield choice, delta
+            return
+        queue: asyncio.Queue[tuple[TextGeneration, Delta] | BaseException | None] = asyncio.Queue()
+
+        async def pump(choice: TextGeneration) -> None:
+            try:
+                async for delta in choice.deltas():
+                    queue.put_nowait((choice, delta))
+                queue.put_nowait(None)
+            except Exception as exc:  # an engine failure ends the whole answer
+                queue.put_nowait(exc)
+
+        tasks = [asyncio.ensure_future(pump(choice)) for choice in self.choices]
+        try:
+            left = len(tasks)
+            while left:
+                item = await queue.get()
+                if item is None:
+                    left -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+
 
 class _TrackedStreamingResponse(StreamingResponse):
     """An SSE response that runs on_close however it ends: finished, client gone, or never started."""
@@ -389,53 +433,64 @@ class EngineAPI:
         except GrammarError as exc:
             raise ApiError(400, str(exc), param="response_format") from None
 
-    def admit(self, request: SamplingRequest, ids: list[int], prompt_param: str, id_prefix: str,
-              internal: bool = False, grammar: Grammar | None = None) -> TextGeneration:  # fmt: skip
-        """Check the request, admit it and submit its prompt; end it with release() (stream() does).
+    def admit(self, request: SamplingRequest, prompts: list[list[int]], prompt_param: str, id_prefix: str,
+              internal: bool = False, grammar: Grammar | None = None) -> Answer:  # fmt: skip
+        """Check the request, admit it and submit its choices (n per prompt); end it with release() (stream() does).
 
         ``internal``: the gateway asked for the internal stream (token ids with every event); ``grammar``: what
-        the answer is held to (``grammar()`` compiled it).
+        the answer is held to (``grammar()`` compiled it). A resumed request submits the choices it has not
+        finished, each from its own tokens.
         """
         if self.crash_user is not None and request.user == self.crash_user:
             log.error("event=test_fault user=%s: exiting as asked by WARMGATE_TEST_CRASH_USER", request.user)
             os._exit(70)
-        resume = request.warmgate_resume
-        max_tokens = self.max_tokens(len(ids), request.requested_max_tokens(), prompt_param)
-        request_id = random_id(id_prefix)
+        resume, n = request.warmgate_resume, request.n or 1
+        budgets = [self.max_tokens(len(p), request.requested_max_tokens(), prompt_param) for p in prompts]
+        request_id, created = (resume.id, resume.created) if resume else (random_id(id_prefix), int(time.time()))
+        answer = Answer(request_id, created, prompts, n * len(prompts), [], internal,
+                        started_before=bool(resume and resume.started))  # fmt: skip
+        states = _choice_states(resume)
+        stops = request.stop_strings()
         self.admission.enter()
         try:
-            params = request.sampling_params(max_tokens, grammar)
-            output = resume.output_ids if resume else None
-            stream = self.engine.submit(ids, params, request_id, output)
+            for index in range(answer.count):
+                state = states.get(index)
+                if state is not None and state.finished:
+                    answer.done_tokens += len(state.output_ids)
+                    continue
+                prompt = prompts[index // n]
+                params = request.sampling_params(budgets[index // n], grammar, index)
+                output = state.output_ids if state is not None else None
+                stream = self.engine.submit(prompt, params, f"{answer.request_id}-{index}", output)
+                hidden = {*self.engine.eos_token_ids, *self.tokenizer.eos_token_ids, *params.stop_token_ids}
+                tools = None
+                if isinstance(request, ChatCompletionRequest) and (mode := request.tool_mode()) is not None:
+                    tools = ToolCallText(mode[0], request.parallel_tool_calls is not False)
+                text = TextGeneration(index, prompt, stream, self.tokenizer, stops, hidden, state, tools)
+                answer.choices.append(text)
         except BaseException as exc:
-            self.admission.leave()
+            self.release(answer)
             if isinstance(exc, ValueError):
                 raise ApiError(400, str(exc)) from exc
             raise
-        hidden = {*self.engine.eos_token_ids, *self.tokenizer.eos_token_ids, *params.stop_token_ids}
-        text = None
-        if isinstance(request, ChatCompletionRequest) and (tools := request.tool_mode()) is not None:
-            text = ToolCallText(tools[0], request.parallel_tool_calls is not False)
-        generation = TextGeneration(request_id, stream, self.tokenizer, request.stop_strings(), hidden, resume, text)
-        generation.internal, generation.model = internal, self.model_name
-        return generation
+        return answer
 
-    def release(self, generation: TextGeneration) -> None:
-        """End an admitted request: cancel it if unfinished, count it out, log it."""
-        generation.close()
+    def release(self, answer: Answer) -> None:
+        """End an admitted request: cancel what is unfinished, count it out, log it."""
+        for choice in answer.choices:
+            choice.close()
         self.admission.leave()
         log.info(
-            "event=request id=%s prompt_tokens=%d completion_tokens=%d seconds=%.3f",
-            generation.request_id, generation.stream.prompt_tokens, generation.completion_tokens,
-            time.monotonic() - generation.started,
+            "event=request id=%s choices=%d prompt_tokens=%d completion_tokens=%d seconds=%.3f",
+            answer.request_id, answer.count, sum(len(p) for p in answer.prompts),
+            sum(c.completion_tokens for c in answer.choices), time.monotonic() - answer.began,
         )  # fmt: skip
 
-    def stream(self, generation: TextGeneration, events: AsyncIterator[str]) -> StreamingResponse:
+    def stream(self, answer: Answer, events: AsyncIterator[str]) -> StreamingResponse:
         """The SSE response of an admitted request; it releases the request however the stream ends."""
-        return _TrackedStreamingResponse(events, on_close=lambda: self.release(generation))
+        return _TrackedStreamingResponse(events, on_close=lambda: self.release(answer))
 
-    async def whole(self, generation: TextGeneration, events: AsyncIterator[str], raw: Request,
-                    chat: bool) -> JSONResponse:  # fmt: skip
+    async def whole(self, answer: Answer, events: AsyncIterator[str], raw: Request, chat: bool) -> JSONResponse:
         """The whole response of an admitted request, assembled from its stream's events; released when done.
 
         A client that hangs up (a timeout, say) cancels the request: the engine stops generating for it.
@@ -451,12 +506,12 @@ class EngineAPI:
             if not work.done():
                 work.cancel()
                 raise ClientGone()
-            status, body = assemble(chat, work.result(), generation.request_id, generation.created, self.model_name,
-                                    self.usage(generation))  # fmt: skip
+            status, body = assemble(chat, work.result(), answer.request_id, answer.created, self.model_name,
+                                    self.usage(answer))  # fmt: skip
             return JSONResponse(body, status_code=status)
         finally:
             gone.cancel()
-            self.release(generation)
+            self.release(answer)
 
     def chat_logprobs(self, delta: Delta) -> ChatLogprobs:
         """A chat chunk's logprobs: each shown token of the delta, with its alternatives."""
@@ -467,16 +522,17 @@ class EngineAPI:
             for token, lp in delta.logprobs
         ])  # fmt: skip
 
-    def echo_choice(self, request: CompletionRequest, generation: TextGeneration, ids: list[int],
-                    logprobs: bool) -> CompletionChoice:  # fmt: skip
-        """The echoed prompt: its text and, when asked, each token's logprob (the first one's is null); the
-        completion's text_offset goes on after it."""
+    def echo_choice(self, prompt: str | None, generation: TextGeneration, logprobs: bool) -> CompletionChoice:
+        """A choice's echoed prompt (``prompt``: as the client wrote it, if text): its text and, when asked, each
+        token's logprob (the first one's is null); the completion's text_offset goes on after it."""
         text = self.tokenizer.token_text
+        ids = generation.prompt_ids
         pieces = [text(t) for t in ids]
-        prompt = request.prompt_text()
         generation.text_offset = sum(len(p) for p in pieces)
+        index = generation.index
         if not logprobs:
-            return CompletionChoice(text=prompt if prompt is not None else "".join(pieces), finish_reason=None)
+            return CompletionChoice(index=index, text=prompt if prompt is not None else "".join(pieces),
+                                    finish_reason=None)  # fmt: skip
         scores = generation.prompt_logprobs or (None,) * len(ids)
         lps = CompletionLogprobs(
             tokens=pieces,
@@ -485,8 +541,8 @@ class EngineAPI:
                           for i, lp in enumerate(scores)],
             text_offset=list(itertools.accumulate((len(p) for p in pieces[:-1]), initial=0)),
         )  # fmt: skip
-        return CompletionChoice(text=prompt if prompt is not None else "".join(pieces), finish_reason=None,
-                                logprobs=lps)  # fmt: skip
+        return CompletionChoice(index=index, text=prompt if prompt is not None else "".join(pieces),
+                                finish_reason=None, logprobs=lps)  # fmt: skip
 
     def completion_logprobs(self, generation: TextGeneration, delta: Delta) -> CompletionLogprobs:
         """A text completion chunk's logprobs, in the legacy shape; ``top_logprobs`` holds the sampled token too,
@@ -504,44 +560,57 @@ class EngineAPI:
             generation.text_offset += len(piece)
         return out
 
-    def usage(self, generation: TextGeneration) -> Usage:
-        """Token counts: the prompt, and every token the engine generated (an eos included, though not shown)."""
-        return Usage.of(generation.stream.prompt_tokens, generation.completion_tokens)
+    def usage(self, answer: Answer) -> Usage:
+        """Token counts: the prompts (each once, whatever n), and every token generated (an eos included, though
+        not shown), by every choice."""
+        generated = answer.done_tokens + sum(c.completion_tokens for c in answer.choices)
+        return Usage.of(sum(len(p) for p in answer.prompts), generated)
 
-    def completion_prompt(self, request: CompletionRequest) -> list[int]:
-        """Token ids of a text completion's prompt (text, a one-element list of text, or token ids)."""
+    def completion_prompts(self, request: CompletionRequest) -> list[list[int]]:
+        """Token ids of a text completion's prompts: text, token ids, or a list of either (several prompts)."""
         if request.warmgate_resume is not None:
-            return self._resumed_prompt(request.warmgate_resume)
+            return self._resumed_prompts(request.warmgate_resume)
         prompt = request.prompt
-        if isinstance(prompt, str) or isinstance(prompt[0], str):
-            text = prompt if isinstance(prompt, str) else str(prompt[0])
-            ids = self.tokenizer.encode(self.checked_text(text, "prompt"))
+        items: list[str | list[int]]
+        if isinstance(prompt, str):
+            items = [prompt]
+        elif isinstance(prompt[0], int):
+            items = [prompt]  # type: ignore[list-item]
         else:
-            ids = [int(i) for i in prompt]
-            vocab = self.tokenizer.vocab_size
-            bad = [i for i in ids if not 0 <= i < vocab]
-            if bad:
-                raise ApiError(400, f"prompt token ids out of range [0, {vocab}): {bad[:5]}", param="prompt")
-        if not ids:
-            raise ApiError(400, "the prompt is empty", param="prompt")
-        return ids
+            items = list(prompt)  # type: ignore[arg-type]
+        prompts = []
+        vocab = self.tokenizer.vocab_size
+        for item in items:
+            if isinstance(item, str):
+                ids = self.tokenizer.encode(self.checked_text(item, "prompt"))
+            else:
+                ids = [int(i) for i in item]
+                bad = [i for i in ids if not 0 <= i < vocab]
+                if bad:
+                    raise ApiError(400, f"prompt token ids out of range [0, {vocab}): {bad[:5]}", param="prompt")
+            if not ids:
+                raise ApiError(400, "the prompt is empty", param="prompt")
+            prompts.append(ids)
+        return prompts
 
-    def _resumed_prompt(self, resume: Resume) -> list[int]:
+    def _resumed_prompts(self, resume: Resume) -> list[list[int]]:
         vocab = self.engine.vocab_size  # the model's: its outputs may lie beyond the tokenizer's vocabulary
-        bad = [i for i in [*resume.prompt_ids, *resume.output_ids] if not 0 <= i < vocab]
+        prompts = resume.prompts or [resume.prompt_ids]
+        outputs = [c.output_ids for c in resume.choices] if resume.choices is not None else [resume.output_ids]
+        bad = [i for ids in [*prompts, *outputs] for i in ids if not 0 <= i < vocab]
         if bad:
             raise ApiError(400, f"resumed token ids out of range [0, {vocab}): {bad[:5]}", param="warmgate_resume")
-        return resume.prompt_ids
+        return prompts
 
-    def chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
-        """Token ids of the chat, through the model's chat template."""
+    def chat_prompts(self, request: ChatCompletionRequest) -> list[list[int]]:
+        """Token ids of the chat, through the model's chat template (one prompt)."""
         if request.warmgate_resume is not None:
-            return self._resumed_prompt(request.warmgate_resume)
+            return self._resumed_prompts(request.warmgate_resume)
         try:
             text = self.tokenizer.render_chat(request.template_messages())
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc), param="messages") from exc
-        return self.tokenizer.encode_rendered(self.checked_text(text, "messages"))
+        return [self.tokenizer.encode_rendered(self.checked_text(text, "messages"))]
 
     def checked_text(self, text: str, param: str) -> str:
         """The text, if it is valid Unicode and could fit the context; checked before any tokenizing.
@@ -561,94 +630,92 @@ class EngineAPI:
                            param=param)  # fmt: skip
         return text
 
-    async def chat_events(self, request: ChatCompletionRequest, generation: TextGeneration,
-                          ids: list[int]) -> AsyncIterator[str]:  # fmt: skip
-        """SSE events of a chat completion: the role, content deltas, the finish reason, usage if asked."""
+    async def chat_events(self, request: ChatCompletionRequest, answer: Answer) -> AsyncIterator[str]:
+        """SSE events of a chat completion: each choice's role, content deltas and finish reason; usage if asked."""
 
         def chunk(choices: list[ChatCompletionChunkChoice], usage: Usage | None = None) -> str:
-            return _sse(
-                ChatCompletionChunk(
-                    id=generation.request_id,
-                    created=generation.created,
-                    model=self.model_name,
-                    choices=choices,
-                    usage=usage,
-                )
-            )
+            return _sse(ChatCompletionChunk(id=answer.request_id, created=answer.created, model=self.model_name,
+                                            choices=choices, usage=usage))  # fmt: skip
 
-        if generation.internal:
-            yield _opening(generation, ids)
-        if request.warmgate_resume is None or not request.warmgate_resume.started:
-            yield chunk([ChatCompletionChunkChoice(delta=DeltaMessage(role="assistant", content=""))])
+        if answer.internal:
+            yield _opening(answer, self.model_name)
+        if not answer.started_before:
+            for index in range(answer.count):
+                yield chunk([ChatCompletionChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
         try:
             logprobs = request.requested_logprobs() is not None
-            async for delta in generation.deltas():
+            async for choice, delta in answer.deltas():
                 if delta.text or delta.finish_reason or delta.logprobs:
                     calls = [DeltaToolCall(index=i, id=c.id, type="function",
                                            function=DeltaFunction(name=c.name, arguments=c.arguments))
                              for i, c in enumerate(delta.tool_calls)] or None  # fmt: skip
                     content = DeltaMessage(content=delta.text or None, tool_calls=calls)
                     scores = self.chat_logprobs(delta) if logprobs else None
-                    finish = delta.finish_reason
-                    choice = ChatCompletionChunkChoice(delta=content, finish_reason=finish, logprobs=scores)
-                    yield _with_ids(chunk([choice]), generation, delta)
+                    event = ChatCompletionChunkChoice(index=choice.index, delta=content,
+                                                      finish_reason=delta.finish_reason, logprobs=scores)  # fmt: skip
+                    yield _with_ids(chunk([event]), answer, choice, delta)
         except EngineFailure as exc:
             yield _sse(ErrorResponse(error=exc.api_error.info))
             yield SSE_DONE
             return
         if request.include_usage():
-            yield chunk([], self.usage(generation))
+            yield chunk([], self.usage(answer))
         yield SSE_DONE
 
-    async def completion_events(self, request: CompletionRequest, generation: TextGeneration,
-                                ids: list[int]) -> AsyncIterator[str]:  # fmt: skip
-        """SSE events of a text completion: text deltas, the finish reason, usage if asked."""
+    async def completion_events(self, request: CompletionRequest, answer: Answer) -> AsyncIterator[str]:
+        """SSE events of a text completion: each choice's echoed prompt if asked, text deltas and finish reason;
+        usage if asked."""
 
         def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
-            return _sse(
-                CompletionChunk(
-                    id=generation.request_id,
-                    created=generation.created,
-                    model=self.model_name,
-                    choices=choices,
-                    usage=usage,
-                )
-            )
+            return _sse(CompletionChunk(id=answer.request_id, created=answer.created, model=self.model_name,
+                                        choices=choices, usage=usage))  # fmt: skip
 
-        if generation.internal:
-            yield _opening(generation, ids)
+        if answer.internal:
+            yield _opening(answer, self.model_name)
         try:
             logprobs = request.requested_logprobs() is not None
-            echo = request.echoes()
-            async for delta in generation.deltas():
-                if echo:  # the prompt first, with its logprobs (they came with the first token)
-                    echo = False
-                    yield chunk([self.echo_choice(request, generation, ids, logprobs)])
+            echo = {c.index for c in answer.choices} if request.echoes() else set()
+            n = request.n or 1
+            async for choice, delta in answer.deltas():
+                if choice.index in echo:  # its prompt first, with its logprobs (they came with the first token)
+                    echo.discard(choice.index)
+                    yield chunk([self.echo_choice(request.prompt_text(choice.index // n), choice, logprobs)])
                 if delta.text or delta.finish_reason or delta.logprobs:
-                    scores = self.completion_logprobs(generation, delta) if logprobs else None
-                    choice = CompletionChoice(text=delta.text, finish_reason=delta.finish_reason, logprobs=scores)
-                    yield _with_ids(chunk([choice]), generation, delta)
+                    scores = self.completion_logprobs(choice, delta) if logprobs else None
+                    event = CompletionChoice(index=choice.index, text=delta.text, finish_reason=delta.finish_reason,
+                                             logprobs=scores)  # fmt: skip
+                    yield _with_ids(chunk([event]), answer, choice, delta)
         except EngineFailure as exc:
             yield _sse(ErrorResponse(error=exc.api_error.info))
             yield SSE_DONE
             return
         if request.include_usage():
-            yield chunk([], self.usage(generation))
+            yield chunk([], self.usage(answer))
         yield SSE_DONE
 
 
-def _opening(generation: TextGeneration, prompt_ids: list[int]) -> str:
-    """The internal stream's first event, a comment only: the prompt's ids and the response's id."""
-    note = InternalEvent(prompt_ids=prompt_ids, id=generation.request_id, created=generation.created,
-                         model=generation.model)  # fmt: skip
+def _choice_states(resume: Resume | None) -> dict[int, ChoiceResume]:
+    """Where each choice of a resumed request stood (a request with one choice says it in Resume's own fields)."""
+    if resume is None:
+        return {}
+    if resume.choices is not None:
+        return {c.index: c for c in resume.choices}
+    return {0: ChoiceResume(index=0, output_ids=resume.output_ids, chars=resume.chars)}
+
+
+def _opening(answer: Answer, model: str) -> str:
+    """The internal stream's first event, a comment only: the prompts' ids, the response's id and its choices."""
+    note = InternalEvent(prompt_ids=answer.prompts[0], prompts=answer.prompts if len(answer.prompts) > 1 else None,
+                         choices=answer.count, id=answer.request_id, created=answer.created, model=model)  # fmt: skip
     return f"{SSE_INTERNAL}{note.model_dump_json(exclude_defaults=True)}\n\n"
 
 
-def _with_ids(event: str, generation: TextGeneration, delta: Delta) -> str:
-    """An SSE data event, followed on the internal stream by the comment line of its token ids."""
-    if not generation.internal:
+def _with_ids(event: str, answer: Answer, choice: TextGeneration, delta: Delta) -> str:
+    """An SSE data event, followed on the internal stream by the comment line of its choice's token ids."""
+    if not answer.internal:
         return event
-    note = InternalEvent(ids=list(delta.token_ids), chars=generation.chars, finish=delta.finish_reason)
+    note = InternalEvent(ids=list(delta.token_ids), chars=choice.chars, finish=delta.finish_reason,
+                         choice=choice.index)  # fmt: skip
     return f"{event[:-1]}{SSE_INTERNAL}{note.model_dump_json(exclude_defaults=True)}\n\n"
 
 
@@ -741,21 +808,21 @@ def create_app(engine: ServingEngine, tokenizer: ChatTokenizer) -> FastAPI:
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(request: ChatCompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:
         api.check_model(request.model)
-        ids = api.chat_prompt(request)
+        prompts = api.chat_prompts(request)
         grammar = await api.grammar(request)
         internal = raw.headers.get(RESUMABLE_HEADER) == "1"
-        generation = api.admit(request, ids, "messages", "chatcmpl", internal, grammar)
-        events = api.chat_events(request, generation, ids)
-        return api.stream(generation, events) if request.stream else await api.whole(generation, events, raw, True)
+        answer = api.admit(request, prompts, "messages", "chatcmpl", internal, grammar)
+        events = api.chat_events(request, answer)
+        return api.stream(answer, events) if request.stream else await api.whole(answer, events, raw, True)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(request: CompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:
         api.check_model(request.model)
-        ids = api.completion_prompt(request)
+        prompts = api.completion_prompts(request)
         grammar = await api.grammar(request)
         internal = raw.headers.get(RESUMABLE_HEADER) == "1"
-        generation = api.admit(request, ids, "prompt", "cmpl", internal, grammar)
-        events = api.completion_events(request, generation, ids)
-        return api.stream(generation, events) if request.stream else await api.whole(generation, events, raw, False)
+        answer = api.admit(request, prompts, "prompt", "cmpl", internal, grammar)
+        events = api.completion_events(request, answer)
+        return api.stream(answer, events) if request.stream else await api.whole(answer, events, raw, False)
 
     return app

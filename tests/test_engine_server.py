@@ -194,13 +194,13 @@ def test_concurrent_prompts_of_every_length_in_a_tight_kv_cache(model: Path, tmp
 BAD_REQUESTS = [
     ("/v1/chat/completions", {"temperature": 0}, 400, "messages"),
     ("/v1/chat/completions", {"messages": FRANCE, "temperature": -1}, 400, "temperature"),
-    ("/v1/chat/completions", {"messages": FRANCE, "n": 2}, 400, "n other than 1"),
+    ("/v1/chat/completions", {"messages": FRANCE, "n": 1000}, 400, "less than or equal to 16"),
     ("/v1/chat/completions", {"messages": FRANCE, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"messages": FRANCE, "max_tokens": 5000}, 400, "maximum context length"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "text"),
     ("/v1/chat/completions", {"messages": FRANCE, "model": "gpt-4o"}, 404, "gpt-4o"),
     ("/v1/completions", {"prompt": "hello " * (MAX_MODEL_LEN + 10)}, 400, "maximum context length"),
-    ("/v1/completions", {"prompt": ["one", "two"]}, 400, "one prompt"),
+    ("/v1/completions", {"prompt": ["one", "two"], "n": 9}, 400, "passes 16 choices"),
     ("/v1/completions", {"prompt": [1, 10**9]}, 400, "out of range"),
 ]
 

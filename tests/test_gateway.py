@@ -311,7 +311,6 @@ NOT_HONOURED = {  # OpenAI parameters the engine does not act on yet: each must 
     "functions": [{"name": "get_weather", "parameters": {"type": "object"}}],
     "function_call": "auto",
     "logit_bias": {"42": 5},
-    "n": 2,
     "audio": {"voice": "alloy", "format": "wav"},
     "modalities": ["text", "audio"],
 }

@@ -343,3 +343,61 @@ def test_echo_with_logprobs_scores_the_prompt_as_a_reference_forward_pass(gatewa
     assert "".join(pieces) == whole.text and tokens == whole.logprobs.tokens
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="demo", prompt=PROMPT, max_tokens=0)  # nothing asked for
+
+
+def _by_choice(chunks: Any, kind: str) -> tuple[dict[int, str], dict[int, str]]:
+    texts: dict[int, str] = {}
+    finishes: dict[int, str] = {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            piece = c.delta.content if kind == "chat" else c.text
+            texts[c.index] = texts.get(c.index, "") + (piece or "")
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    return texts, finishes
+
+
+def test_n_choices_and_prompt_lists_streamed_and_whole(gateway: Gateway) -> None:
+    client = _client(gateway)
+    ask: dict[str, Any] = {"model": "demo", "messages": CHAT, "n": 3, "temperature": 1.0, "seed": 11, "max_tokens": 12}
+    whole = client.chat.completions.create(**ask)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    texts = {c.index: c.message.content for c in whole.choices}
+    assert len(set(texts.values())) > 1, texts  # seeds differ per choice
+    assert whole.usage is not None and whole.usage.completion_tokens == sum(
+        len(c.logprobs.content or []) for c in client.chat.completions.create(**ask, logprobs=True).choices
+        if c.logprobs)  # fmt: skip
+    streamed, finishes = _by_choice(client.chat.completions.create(**ask, stream=True), "chat")
+    assert streamed == texts and set(finishes) == {0, 1, 2}
+
+    prompts = ["The sky is", "Grass is"]
+    lists = client.completions.create(model="demo", prompt=prompts, n=2, max_tokens=6, temperature=0)
+    assert [c.index for c in lists.choices] == [0, 1, 2, 3]
+    for i, prompt in enumerate(prompts):  # index = prompt * n + sample; greedy samples agree
+        alone = client.completions.create(model="demo", prompt=prompt, max_tokens=6, temperature=0).choices[0].text
+        assert lists.choices[2 * i].text == lists.choices[2 * i + 1].text == alone
+    assert lists.usage is not None and lists.usage.prompt_tokens == sum(
+        client.completions.create(model="demo", prompt=p, max_tokens=1).usage.prompt_tokens for p in prompts)  # type: ignore[union-attr]  # fmt: skip
+    ids = client.completions.create(model="demo", prompt=[[504, 3469, 314], [1, 2, 3]], max_tokens=4, temperature=0)
+    assert [c.index for c in ids.choices] == [0, 1]
+    streamed, _ = _by_choice(client.completions.create(model="demo", prompt=prompts, n=2, max_tokens=6,
+                                                       temperature=0, stream=True), "text")  # fmt: skip
+    assert streamed == {c.index: c.text for c in lists.choices}
+    same = client.completions.create(model="demo", prompt="Hi", n=2, best_of=2, max_tokens=2)
+    assert len(same.choices) == 2
+
+
+@pytest.mark.parametrize(("fields", "words"), [
+    ({"n": 17}, "less than or equal to 16"),
+    ({"n": 0}, "greater than or equal to 1"),
+    ({"prompt": ["a"] * 9, "n": 2}, "passes 16 choices"),
+    ({"best_of": 3, "n": 2}, "best_of"),
+    ({"prompt": []}, "empty"),
+    ({"prompt": [[]]}, "empty"),
+])  # fmt: skip
+def test_too_many_choices_or_empty_prompts_are_refused(gateway: Gateway, fields: dict[str, Any], words: str) -> None:
+    body = {"model": "demo", "prompt": PROMPT, "max_tokens": 2, **fields}
+    with pytest.raises(openai.BadRequestError) as refused:
+        _client(gateway).completions.create(**body)
+    error = refused.value.body
+    assert isinstance(error, dict) and words in error["message"], error

@@ -284,3 +284,34 @@ def test_a_dead_engine_that_the_table_still_names_uses_up_no_resume(gateway: Gat
     thread.join(timeout=120)
     assert len(answers) == 1 and _same(answers[0], expected), (answers, expected)
     wait_for(lambda: _crashes(gateway) > crashes, 60, "the dead engine was not replaced")
+
+
+def test_three_choices_resume_each_from_its_own_tokens(gateway: Gateway) -> None:
+    """n = 3, seeded and sampled: the active engine is killed while the choices stream; each choice goes on from
+    its own tokens on the next engine (its seeded draws skipped), byte for byte as an undisturbed run, and the
+    whole answer assembled by the relay equals the stream."""
+    client = _client(gateway)
+    body = {"model": "demo", "messages": [{"role": "user", "content": "Tell me about the sea."}], "n": 3,
+            "temperature": 1.0, "seed": 21, "max_tokens": 60}  # fmt: skip
+
+    def streamed(kill_after: int | None) -> dict[int, str]:
+        texts: dict[int, str] = {}
+        seen = 0
+        for chunk in client.chat.completions.create(**body, stream=True):
+            for c in chunk.choices:
+                texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+                seen += 1
+                if kill_after is not None and seen == kill_after:
+                    pid = gateway.active_pid()
+                    assert pid is not None
+                    os.kill(pid, signal.SIGKILL)
+        return texts
+
+    expected = streamed(None)
+    assert len(expected) == 3 and len(set(expected.values())) > 1
+    wait_for(lambda: gateway.status()["standbys"], 120, "a standby was not ready")
+    crashes = _crashes(gateway)
+    assert streamed(40) == expected  # about 13 tokens a choice before the kill
+    wait_for(lambda: _crashes(gateway) > crashes, 60, "the killed engine was not replaced")
+    whole = client.chat.completions.create(**body)
+    assert {c.index: c.message.content for c in whole.choices} == expected

@@ -199,6 +199,9 @@ def _check_logprobs(client: OpenAI) -> None:
                                             tool_choice="required", max_tokens=40, temperature=0)  # fmt: skip
     calls = called.choices[0].message.tool_calls or []
     assert calls and calls[0].function.name == "weather" and "city" in json.loads(calls[0].function.arguments)
+    several = client.completions.create(model="demo", prompt=["The sky is", "Grass is"], n=2, max_tokens=4,
+                                        temperature=0)  # fmt: skip
+    assert [c.index for c in several.choices] == [0, 1, 2, 3] and several.choices[0].text == several.choices[1].text
 
 
 def test_serve_with_the_vllm_backend_restarts_under_load(demo_path, tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 from engine.protocol import (
     SSE_INTERNAL,
     ChatCompletionChunk,
+    ChoiceResume,
     CompletionChunk,
     ErrorInfo,
     ErrorResponse,
@@ -55,11 +56,10 @@ class EngineStopped(Exception):
 
 @dataclass
 class Progress:
-    """What the comments kept so far say: every generated id and the characters sent."""
+    """What the comments kept so far say of one choice: every generated id and the characters sent."""
 
     output_ids: list[int] = field(default_factory=list)
     chars: int = 0
-    parsed: int = 0  # comments folded in
 
 
 @dataclass
@@ -70,17 +70,21 @@ class InFlight:
     wants_usage: bool = False
     arrived: float = field(default_factory=time.perf_counter)
     prompt_ids: list[int] | None = None
+    prompts: list[list[int]] | None = None  # all of them, when the request has several
+    choices: int = 1  # in the response (n times the prompts)
     id: str | None = None
     created: int | None = None
     model: str = ""
     started: bool = False  # a data event has reached the client (or the assembler)
-    finish_seen: bool = False  # the last token's event has been relayed
+    finish_seen: bool = False  # every choice's last token's event has been relayed
     failed: bool = False  # the engine ended the stream with a final error, which the client got
     done: bool = False  # [DONE] relayed: nothing more to come
     first_token_at: float | None = None
     resumes: int = 0
     _notes: list[bytes] = field(default_factory=list)
-    _progress: Progress = field(default_factory=Progress)
+    _parsed: int = 0  # notes folded into _progress
+    _progress: dict[int, Progress] = field(default_factory=dict)  # choice -> its progress
+    _finished: set[int] = field(default_factory=set)  # choices whose last event was relayed
     _pieces: list[bytes] = field(default_factory=list)  # a non-streaming request's data events, as JSON
 
     @classmethod
@@ -102,10 +106,14 @@ class InFlight:
         """What to send to an engine: the client's request as a stream, with where to resume from."""
         payload = {**self.payload, "stream": True}
         if self.prompt_ids is not None and self.id is not None and self.created is not None:
-            progress = self.progress()
-            resume = Resume(id=self.id, created=self.created, prompt_ids=self.prompt_ids,
-                            output_ids=progress.output_ids, chars=progress.chars, started=self.started)  # fmt: skip
-            payload["warmgate_resume"] = resume.model_dump()
+            first = self.progress(0)
+            resume = Resume(id=self.id, created=self.created, prompt_ids=self.prompt_ids, output_ids=first.output_ids,
+                            chars=first.chars, started=self.started, prompts=self.prompts)  # fmt: skip
+            if self.choices > 1:
+                resume.choices = [ChoiceResume(index=i, output_ids=self.progress(i).output_ids,
+                                               chars=self.progress(i).chars, finished=i in self._finished)
+                                  for i in range(self.choices)]  # fmt: skip
+            payload["warmgate_resume"] = resume.model_dump(exclude_none=True)
         return json.dumps(payload).encode()
 
     def take(self, events: list[bytes]) -> bytes:
@@ -119,7 +127,7 @@ class InFlight:
                 if self.prompt_ids is None:
                     opening = InternalEvent.model_validate_json(event[len(_INTERNAL) :])
                     self.prompt_ids, self.id, self.created = opening.prompt_ids, opening.id, opening.created
-                    self.model = opening.model or ""
+                    self.prompts, self.choices, self.model = opening.prompts, opening.choices, opening.model or ""
                 continue
             if event == _DONE_EVENT:
                 self.done = True
@@ -132,8 +140,9 @@ class InFlight:
                 self._notes.append(note)
                 if self.first_token_at is None:
                     self.first_token_at = time.perf_counter()
-                if b'"finish"' in note:
-                    self.finish_seen = True
+                if b'"finish"' in note:  # rare: parsed now
+                    self._finished.add(json.loads(note).get("choice", 0))
+                    self.finish_seen = len(self._finished) >= self.choices
                 event = event[:at]
             elif event.startswith(_ERROR):
                 error = json.loads(event[6:])["error"]
@@ -147,18 +156,25 @@ class InFlight:
                 self._pieces.append(event[6:])
         return b"".join(out)
 
-    def progress(self) -> Progress:
-        """The ids and characters sent so far (the comments not yet read are parsed now, all in one call)."""
-        progress = self._progress
-        if progress.parsed < len(self._notes):
-            for note in json.loads(b"[" + b",".join(self._notes[progress.parsed :]) + b"]"):
+    def progress(self, choice: int = 0) -> Progress:
+        """The ids and characters of ``choice`` sent so far (the comments not yet read are parsed now, all in one
+        call)."""
+        if self._parsed < len(self._notes):
+            for note in json.loads(b"[" + b",".join(self._notes[self._parsed :]) + b"]"):
+                progress = self._progress.setdefault(note.get("choice", 0), Progress())
                 progress.output_ids += note.get("ids", ())
                 progress.chars = note.get("chars", progress.chars)
-            progress.parsed = len(self._notes)
-        return progress
+            self._parsed = len(self._notes)
+        return self._progress.setdefault(choice, Progress())
+
+    def generated(self) -> int:
+        """Tokens generated so far, every choice's."""
+        self.progress()
+        return sum(len(p.output_ids) for p in self._progress.values())
 
     def usage(self) -> Usage:
-        return Usage.of(len(self.prompt_ids or ()), len(self.progress().output_ids))
+        prompts = self.prompts or ([self.prompt_ids] if self.prompt_ids else [])
+        return Usage.of(sum(len(p) for p in prompts), self.generated())
 
     def ending(self) -> bytes:
         """What a stream still needs after the last token's event, when its engine failed in between: the usage

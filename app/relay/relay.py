@@ -173,7 +173,7 @@ class Relay:
             request.resumes += 1
             self.metrics.resumes.inc()
             log_event(log, "resume", route=request.route, id=request.id, resumes=request.resumes,
-                      tokens=len(request.progress().output_ids), why=outcome.why)  # fmt: skip
+                      tokens=request.generated(), why=outcome.why)  # fmt: skip
             await self.table.moved_past(slot.engine.id, MOVE_WAIT_S)
             deadline = time.monotonic() + settings.queue_timeout
 
@@ -263,6 +263,6 @@ class Relay:
             metrics.ttft.labels(request.route).observe(request.first_token_at - request.arrived)
         if request.prompt_ids is not None:
             metrics.prompt_tokens.inc(len(request.prompt_ids))
-        generated = len(request.progress().output_ids)
+        generated = request.generated()
         if generated:
             metrics.generation_tokens.inc(generated)
