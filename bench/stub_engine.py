@@ -40,12 +40,14 @@ from typing import Any, cast
 import httptools
 import uvloop
 
+from engine.internal_stream import COMMENT_BYTES, DONE_BYTES
+
 MODEL = "stub"
 TOKEN = " tok"  # every token's text: 4 characters, no JSON escaping needed
 TOKEN_BYTES = TOKEN.encode()
 PROMPT_IDS = [1, 2, 3]
 FIRST_ID = 1000  # token ids are FIRST_ID + position
-INTERNAL = b": warmgate "
+INTERNAL = COMMENT_BYTES
 SSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n"
 LAST_CHUNK = b"0\r\n\r\n"
 
@@ -118,7 +120,7 @@ class Stream:
             body = {"id": self.rid, "object": "text_completion", "created": self.created, "model": MODEL,
                     "choices": [], "usage": usage}  # fmt: skip
             conn.write(chunk(b"data: %b\n\n" % json.dumps(body, separators=(",", ":")).encode()))
-        conn.write(chunk(b"data: [DONE]\n\n"))
+        conn.write(chunk(DONE_BYTES))
         conn.write(LAST_CHUNK)
         conn.response_done()
         return True

@@ -67,11 +67,10 @@ class Grammars:
         import xgrammar
 
         self._xgr = xgrammar
-        special = tokenizer.special_token_ids
-        # Every token as the bytes it stands for; special tokens (and padded ids) as empty, which xgrammar never
-        # allows inside an answer: a special token's text must not pass for part of a JSON string.
-        vocab = [b"" if i in special else tokenizer.token_bytes(i) for i in range(vocab_size)]
-        info = xgrammar.TokenizerInfo(vocab, xgrammar.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stop_ids)
+        vocab, encoding = tokenizer.grammar_vocabulary(vocab_size)
+        kind = {"byte_level": xgrammar.VocabType.BYTE_LEVEL, "byte_fallback": xgrammar.VocabType.BYTE_FALLBACK,
+                "raw": xgrammar.VocabType.RAW}[encoding]  # fmt: skip
+        info = xgrammar.TokenizerInfo(vocab, kind, vocab_size=vocab_size, stop_token_ids=stop_ids)
         self.vocab_size = vocab_size
         self._stop_ids = tuple(stop_ids)
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=2, cache_enabled=False)

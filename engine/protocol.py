@@ -29,10 +29,6 @@ from engine.tools import system_prompt as tool_system_prompt
 
 FinishReason = Literal["stop", "length", "tool_calls"]
 
-# The gateway asks for the internal stream with this header: after each SSE data line the engine adds a
-# comment line (ignored by SSE clients, removed by the gateway) with what resuming the request needs.
-RESUMABLE_HEADER = "x-warmgate-resumable"
-SSE_INTERNAL = ": warmgate "
 
 
 def random_id(prefix: str) -> str:

@@ -1,8 +1,9 @@
 """The engine worker's HTTP API: the OpenAI subset, /health and /drain, served from one LLMEngine.
 
-Token ids come from the engine's RequestStreams; this module turns them into text (incremental
-detokenization, stop strings), OpenAI responses and SSE streams, and keeps count of in-flight
-requests so a drain can wait for them.
+Request admission (prompts, grammars, choices submitted to the engine, in-flight requests counted so a drain
+can wait for them), the chunks of an answer built from its text deltas (engine/text.py), whole responses
+assembled from them (engine/responses.py), the internal stream for the gateway (engine/internal_stream.py),
+and the routes.
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,9 +26,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from engine.grammar import Grammar, GrammarError, Grammars
+from engine.internal_stream import DONE, RESUMABLE_HEADER, annotated, opening
 from engine.protocol import (
-    RESUMABLE_HEADER,
-    SSE_INTERNAL,
     ChatCompletionChunk,
     ChatCompletionChunkChoice,
     ChatCompletionRequest,
@@ -46,7 +45,6 @@ from engine.protocol import (
     DrainRequest,
     ErrorInfo,
     ErrorResponse,
-    FinishReason,
     HealthResponse,
     InternalEvent,
     ModelCard,
@@ -59,19 +57,19 @@ from engine.protocol import (
     random_id,
 )
 from engine.responses import assemble
+from engine.text import Answer, Delta, EngineFailure, TextGeneration
 from engine.tokenizer import ChatTemplateError, ChatTokenizer
-from engine.tools import ToolCall, ToolCallText
+from engine.tools import ToolCallText
 
 if TYPE_CHECKING:
     from common.heartbeat import Heartbeat
     from engine.config import EngineConfig
-    from engine.request_stream import RequestStream, TokenLogprobs
+    from engine.request_stream import RequestStream
     from engine.sampling_params import SamplingParams
     from engine.weights import WeightOrigin
 
 log = logging.getLogger("warmgate.engine.server")
 
-SSE_DONE = "data: [DONE]\n\n"
 
 
 class ServingEngine(Protocol):
@@ -176,162 +174,6 @@ class Admission:
             remaining=self.in_flight,
             seconds=round(time.monotonic() - start, 3),
         )
-
-
-@dataclass(frozen=True)
-class Delta:
-    """New text of a request, the token ids consumed since the previous delta, the finish reason on the last."""
-
-    text: str
-    finish_reason: FinishReason | None = None
-    token_ids: tuple[int, ...] = ()
-    logprobs: tuple[tuple[int, TokenLogprobs], ...] = ()  # of the shown tokens consumed, when they were asked for
-    tool_calls: tuple[ToolCall, ...] = ()  # on the last delta: the calls cut out of the answer's text
-
-
-class EngineFailure(Exception):
-    """The engine ended a request with an error, or aborted it (the engine stopped)."""
-
-    def __init__(self, status: int, message: str, code: str | None = None) -> None:
-        super().__init__(message)
-        kind = "server_error" if status == 500 else "service_unavailable"
-        self.api_error = ApiError(status, message, kind, None, code)
-
-
-class TextGeneration:
-    """One choice of a request, as text: detokenized deltas, cut at the first stop string, with its tokens counted.
-
-    A resumed choice (``resumed``) continues another engine's: its decoder is fed the tokens generated there, one
-    by one as there, and the text after what the client already received comes first.
-    """
-
-    def __init__(self, index: int, prompt_ids: list[int], stream: RequestStream, tokenizer: ChatTokenizer,
-                 stop: list[str], hidden_ids: set[int], resumed: ChoiceResume | None = None,
-                 tools: ToolCallText | None = None) -> None:  # fmt: skip
-        self.index = index  # of the choice in the response
-        self.prompt_ids = prompt_ids
-        self.stream = stream
-        self.completion_tokens = 0
-        self.chars = 0  # characters of text yielded so far
-        self.finished = False
-        self._decoder = tokenizer.incremental_decoder()
-        self._stop = stop
-        self._hidden_ids = hidden_ids  # eos and stop tokens end the text; they are not part of it
-        # A stop string is recognised only once complete, so a stream keeps back its longest possible prefix.
-        self._holdback = max((len(s) for s in stop), default=1) - 1
-        self._pending = ""
-        self._tools = tools  # cuts tool calls out of the text (held until the answer ends, never counted in chars)
-        self.text_offset: int | None = None  # where the next token's text begins, for completion logprobs
-        self.prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # from the first event, if asked
-        self.resumed_ids: list[int] = []  # the tokens another engine generated (a resume)
-        if resumed is not None:
-            text = "".join(self._decoder.add(token) for token in resumed.output_ids)
-            self.completion_tokens, self.chars = len(resumed.output_ids), resumed.chars
-            self._pending = text[resumed.chars :]
-            self.resumed_ids = list(resumed.output_ids)
-
-    def close(self) -> None:
-        """Cancel the engine request if it is still running (client gone, response abandoned)."""
-        if not self.finished:
-            self.finished = True
-            self.stream.cancel()
-
-    async def deltas(self) -> AsyncIterator[Delta]:
-        """Text as it is generated; the last Delta carries the finish reason ("stop" or "length")."""
-        pending, ids, logprobs = self._pending, [], []
-        async for event in self.stream:
-            if event.prompt_logprobs is not None:
-                self.prompt_logprobs = event.prompt_logprobs
-            if event.finish_reason == "error":
-                self.finished = True
-                raise EngineFailure(500, f"engine error: {event.error or 'unknown'}")
-            if event.finish_reason == "abort":
-                self.finished = True
-                raise EngineFailure(503, "the engine stopped before the request finished", "engine_stopped")
-            if event.token_id is not None:
-                self.completion_tokens += 1
-                ids.append(event.token_id)
-                if not (event.finish_reason == "stop" and event.token_id in self._hidden_ids):
-                    pending += self._decoder.add(event.token_id)
-                    if event.logprobs is not None:
-                        logprobs.append((event.token_id, event.logprobs))
-            if event.finish_reason is not None:
-                pending += self._decoder.flush()
-            cut = self._find_stop(pending)
-            if cut is not None:
-                self.close()
-                yield self._delta(pending[:cut], "stop", ids, logprobs)
-                return
-            if event.finish_reason is not None:
-                self.finished = True
-                yield self._delta(pending, "length" if event.finish_reason == "length" else "stop", ids, logprobs)
-                return
-            ready = len(pending) - self._holdback
-            if ready > 0:
-                yield self._delta(pending[:ready], None, ids, logprobs)
-                pending, ids, logprobs = pending[ready:], [], []
-
-    def _delta(self, text: str, finish: FinishReason | None, ids: list[int],
-               logprobs: list[tuple[int, TokenLogprobs]]) -> Delta:  # fmt: skip
-        calls: list[ToolCall] = []
-        if self._tools is not None:
-            if finish is None:
-                text = self._tools.feed(text)
-            else:
-                text, calls = self._tools.finish(text)
-                finish = "tool_calls" if calls else finish
-        self.chars += len(text)
-        return Delta(text, finish, tuple(ids), tuple(logprobs), tuple(calls))
-
-    def _find_stop(self, text: str) -> int | None:
-        hits = [i for i in (text.find(s) for s in self._stop) if i >= 0]
-        return min(hits) if hits else None
-
-@dataclass
-class Answer:
-    """An admitted request: its choices still to generate (one TextGeneration each), under one response id."""
-
-    request_id: str
-    created: int
-    prompts: list[list[int]]
-    count: int  # choices in the response: n times the prompts
-    choices: list[TextGeneration]
-    internal: bool  # the gateway's internal stream: token ids after every event
-    started_before: bool = False  # a resumed request whose first events (role chunks, echo) the client has
-    done_tokens: int = 0  # tokens of the choices a failed engine finished (a resume): in the usage
-    began: float = field(default_factory=time.monotonic)
-
-    async def deltas(self) -> AsyncIterator[tuple[TextGeneration, Delta]]:
-        """Every choice's deltas, as they come."""
-        if len(self.choices) == 1:
-            choice = self.choices[0]
-            async for delta in choice.deltas():
-                yield choice, delta
-            return
-        queue: asyncio.Queue[tuple[TextGeneration, Delta] | BaseException | None] = asyncio.Queue()
-
-        async def pump(choice: TextGeneration) -> None:
-            try:
-                async for delta in choice.deltas():
-                    queue.put_nowait((choice, delta))
-                queue.put_nowait(None)
-            except Exception as exc:  # an engine failure ends the whole answer
-                queue.put_nowait(exc)
-
-        tasks = [asyncio.ensure_future(pump(choice)) for choice in self.choices]
-        try:
-            left = len(tasks)
-            while left:
-                item = await queue.get()
-                if item is None:
-                    left -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield item
-        finally:
-            for task in tasks:
-                task.cancel()
 
 
 class _TrackedStreamingResponse(StreamingResponse):
@@ -630,68 +472,55 @@ class EngineAPI:
                            param=param)  # fmt: skip
         return text
 
-    async def chat_events(self, request: ChatCompletionRequest, answer: Answer) -> AsyncIterator[str]:
-        """SSE events of a chat completion: each choice's role, content deltas and finish reason; usage if asked."""
+    async def events(self, request: SamplingRequest, answer: Answer) -> AsyncIterator[str]:
+        """SSE events of an answer, chat or text completion: a chat's role chunk per choice, a text completion's
+        echoed prompts when asked, each choice's deltas with its index and finish reason, usage if asked, [DONE]."""
+        chat = isinstance(request, ChatCompletionRequest)
+        kind = ChatCompletionChunk if chat else CompletionChunk
 
-        def chunk(choices: list[ChatCompletionChunkChoice], usage: Usage | None = None) -> str:
-            return _sse(ChatCompletionChunk(id=answer.request_id, created=answer.created, model=self.model_name,
-                                            choices=choices, usage=usage))  # fmt: skip
+        def chunk(choices: list[Any], usage: Usage | None = None) -> str:
+            return _sse(kind(id=answer.request_id, created=answer.created, model=self.model_name, choices=choices,
+                             usage=usage))  # fmt: skip
 
         if answer.internal:
             yield _opening(answer, self.model_name)
-        if not answer.started_before:
+        if chat and not answer.started_before:
             for index in range(answer.count):
                 yield chunk([ChatCompletionChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
+        text = request if isinstance(request, CompletionRequest) else None
+        echo = {c.index for c in answer.choices} if text is not None and text.echoes() else set()
+        logprobs = request.requested_logprobs() is not None
         try:
-            logprobs = request.requested_logprobs() is not None
-            async for choice, delta in answer.deltas():
-                if delta.text or delta.finish_reason or delta.logprobs:
-                    calls = [DeltaToolCall(index=i, id=c.id, type="function",
-                                           function=DeltaFunction(name=c.name, arguments=c.arguments))
-                             for i, c in enumerate(delta.tool_calls)] or None  # fmt: skip
-                    content = DeltaMessage(content=delta.text or None, tool_calls=calls)
-                    scores = self.chat_logprobs(delta) if logprobs else None
-                    event = ChatCompletionChunkChoice(index=choice.index, delta=content,
-                                                      finish_reason=delta.finish_reason, logprobs=scores)  # fmt: skip
-                    yield _with_ids(chunk([event]), answer, choice, delta)
-        except EngineFailure as exc:
-            yield _sse(ErrorResponse(error=exc.api_error.info))
-            yield SSE_DONE
-            return
-        if request.include_usage():
-            yield chunk([], self.usage(answer))
-        yield SSE_DONE
-
-    async def completion_events(self, request: CompletionRequest, answer: Answer) -> AsyncIterator[str]:
-        """SSE events of a text completion: each choice's echoed prompt if asked, text deltas and finish reason;
-        usage if asked."""
-
-        def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
-            return _sse(CompletionChunk(id=answer.request_id, created=answer.created, model=self.model_name,
-                                        choices=choices, usage=usage))  # fmt: skip
-
-        if answer.internal:
-            yield _opening(answer, self.model_name)
-        try:
-            logprobs = request.requested_logprobs() is not None
-            echo = {c.index for c in answer.choices} if request.echoes() else set()
-            n = request.n or 1
             async for choice, delta in answer.deltas():
                 if choice.index in echo:  # its prompt first, with its logprobs (they came with the first token)
                     echo.discard(choice.index)
-                    yield chunk([self.echo_choice(request.prompt_text(choice.index // n), choice, logprobs)])
+                    prompt = text.prompt_text(choice.index // (request.n or 1)) if text is not None else None
+                    yield chunk([self.echo_choice(prompt, choice, logprobs)])
                 if delta.text or delta.finish_reason or delta.logprobs:
-                    scores = self.completion_logprobs(choice, delta) if logprobs else None
-                    event = CompletionChoice(index=choice.index, text=delta.text, finish_reason=delta.finish_reason,
-                                             logprobs=scores)  # fmt: skip
-                    yield _with_ids(chunk([event]), answer, choice, delta)
+                    yield _with_ids(chunk([self.delta_choice(chat, choice, delta, logprobs)]), answer, choice, delta)
         except EngineFailure as exc:
-            yield _sse(ErrorResponse(error=exc.api_error.info))
-            yield SSE_DONE
+            yield _sse(ErrorResponse(error=exc.info))
+            yield DONE
             return
         if request.include_usage():
             yield chunk([], self.usage(answer))
-        yield SSE_DONE
+        yield DONE
+
+    def delta_choice(self, chat: bool, choice: TextGeneration, delta: Delta,
+                     logprobs: bool) -> ChatCompletionChunkChoice | CompletionChoice:  # fmt: skip
+        """A chunk's choice: the delta's text (and tool calls) with the choice's index, its finish reason, and its
+        tokens' logprobs when asked."""
+        if not chat:
+            scores = self.completion_logprobs(choice, delta) if logprobs else None
+            return CompletionChoice(index=choice.index, text=delta.text, finish_reason=delta.finish_reason,
+                                    logprobs=scores)  # fmt: skip
+        calls = [DeltaToolCall(index=i, id=c.id, type="function",
+                               function=DeltaFunction(name=c.name, arguments=c.arguments))
+                 for i, c in enumerate(delta.tool_calls)] or None  # fmt: skip
+        return ChatCompletionChunkChoice(index=choice.index, delta=DeltaMessage(content=delta.text or None,
+                                                                                tool_calls=calls),
+                                         finish_reason=delta.finish_reason,
+                                         logprobs=self.chat_logprobs(delta) if logprobs else None)  # fmt: skip
 
 
 def _choice_states(resume: Resume | None) -> dict[int, ChoiceResume]:
@@ -704,19 +533,18 @@ def _choice_states(resume: Resume | None) -> dict[int, ChoiceResume]:
 
 
 def _opening(answer: Answer, model: str) -> str:
-    """The internal stream's first event, a comment only: the prompts' ids, the response's id and its choices."""
-    note = InternalEvent(prompt_ids=answer.prompts[0], prompts=answer.prompts if len(answer.prompts) > 1 else None,
-                         choices=answer.count, id=answer.request_id, created=answer.created, model=model)  # fmt: skip
-    return f"{SSE_INTERNAL}{note.model_dump_json(exclude_defaults=True)}\n\n"
+    """The internal stream's first event: the prompts' ids, the response's id and its choices."""
+    return opening(InternalEvent(prompt_ids=answer.prompts[0], prompts=answer.prompts if len(answer.prompts) > 1
+                                 else None, choices=answer.count, id=answer.request_id, created=answer.created,
+                                 model=model))  # fmt: skip
 
 
 def _with_ids(event: str, answer: Answer, choice: TextGeneration, delta: Delta) -> str:
     """An SSE data event, followed on the internal stream by the comment line of its choice's token ids."""
     if not answer.internal:
         return event
-    note = InternalEvent(ids=list(delta.token_ids), chars=choice.chars, finish=delta.finish_reason,
-                         choice=choice.index)  # fmt: skip
-    return f"{event[:-1]}{SSE_INTERNAL}{note.model_dump_json(exclude_defaults=True)}\n\n"
+    return annotated(event, InternalEvent(ids=list(delta.token_ids), chars=choice.chars, finish=delta.finish_reason,
+                                          choice=choice.index))  # fmt: skip
 
 
 def _private_memory() -> int:
@@ -812,7 +640,7 @@ def create_app(engine: ServingEngine, tokenizer: ChatTokenizer) -> FastAPI:
         grammar = await api.grammar(request)
         internal = raw.headers.get(RESUMABLE_HEADER) == "1"
         answer = api.admit(request, prompts, "messages", "chatcmpl", internal, grammar)
-        events = api.chat_events(request, answer)
+        events = api.events(request, answer)
         return api.stream(answer, events) if request.stream else await api.whole(answer, events, raw, True)
 
     @app.post("/v1/completions", response_model=None)
@@ -822,7 +650,7 @@ def create_app(engine: ServingEngine, tokenizer: ChatTokenizer) -> FastAPI:
         grammar = await api.grammar(request)
         internal = raw.headers.get(RESUMABLE_HEADER) == "1"
         answer = api.admit(request, prompts, "prompt", "cmpl", internal, grammar)
-        events = api.completion_events(request, answer)
+        events = api.events(request, answer)
         return api.stream(answer, events) if request.stream else await api.whole(answer, events, raw, False)
 
     return app

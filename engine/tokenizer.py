@@ -11,7 +11,7 @@ import json
 import re
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jinja2
 import jinja2.ext
@@ -164,6 +164,25 @@ class ChatTokenizer:
         if (byte := _BYTE_FALLBACK.fullmatch(piece)) is not None:  # sentencepiece's <0xNN>
             return bytes([int(byte.group(1), 16)])
         return self._tokenizer.decode([token_id], skip_special_tokens=False).encode()
+
+    def grammar_vocabulary(self, size: int) -> tuple[list[str] | list[bytes], Literal["byte_level", "byte_fallback",
+                                                                                       "raw"]]:  # fmt: skip
+        """Every id below ``size`` as a grammar library reads it, and how it is encoded: the tokenizer's own strings
+        for byte-level and byte-fallback vocabularies (the library decodes them: one C call here, 0.07 s for 49k
+        tokens, where decoding them in Python took 0.9 s of GIL from the engine's thread), else each token's bytes.
+        Special tokens (and ids no token has) are empty: a grammar never allows them inside an answer."""
+        special = self.special_token_ids
+        if self._byte_level or self._byte_fallback:
+            strings = [""] * size
+            for piece, i in self._tokenizer.get_vocab(with_added_tokens=True).items():
+                if i < size and i not in special:
+                    strings[i] = piece
+            return strings, "byte_level" if self._byte_level else "byte_fallback"
+        return [b"" if i in special else self.token_bytes(i) for i in range(size)], "raw"
+
+    @functools.cached_property
+    def _byte_fallback(self) -> bool:
+        return "ByteFallback" in json.dumps(json.loads(self._tokenizer.to_str()).get("decoder"))
 
     @functools.cached_property
     def special_token_ids(self) -> set[int]:

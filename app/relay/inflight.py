@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.internal_stream import COMMENT_BYTES, DONE_BYTES, DONE_EVENT, split
 from engine.protocol import (
-    SSE_INTERNAL,
     ChatCompletionChunk,
     ChoiceResume,
     CompletionChunk,
@@ -35,10 +35,7 @@ from engine.responses import assemble
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
-DONE = b"data: [DONE]\n\n"
-_DONE_EVENT = DONE[:-2]
-_INTERNAL = SSE_INTERNAL.encode()
-_NOTE = b"\n" + _INTERNAL  # where a token event's comment line begins
+DONE = DONE_BYTES
 _ERROR = b'data: {"error"'
 
 
@@ -123,27 +120,25 @@ class InFlight:
         request unfinished."""
         out: list[bytes] = []
         for event in events:
-            if event.startswith(_INTERNAL):  # the opening comment: the prompt's ids
+            if event.startswith(COMMENT_BYTES):  # the opening comment: the prompt's ids
                 if self.prompt_ids is None:
-                    opening = InternalEvent.model_validate_json(event[len(_INTERNAL) :])
+                    opening = InternalEvent.model_validate_json(event[len(COMMENT_BYTES) :])
                     self.prompt_ids, self.id, self.created = opening.prompt_ids, opening.id, opening.created
                     self.prompts, self.choices, self.model = opening.prompts, opening.choices, opening.model or ""
                 continue
-            if event == _DONE_EVENT:
+            if event == DONE_EVENT:
                 self.done = True
                 if self.streams:
                     out.append(DONE)
                 break
-            at = event.find(_NOTE)
-            if at >= 0:
-                note = event[at + len(_NOTE) :]
+            event, note = split(event)
+            if note is not None:
                 self._notes.append(note)
                 if self.first_token_at is None:
                     self.first_token_at = time.perf_counter()
                 if b'"finish"' in note:  # rare: parsed now
                     self._finished.add(json.loads(note).get("choice", 0))
                     self.finish_seen = len(self._finished) >= self.choices
-                event = event[:at]
             elif event.startswith(_ERROR):
                 error = json.loads(event[6:])["error"]
                 if error.get("code") == "engine_stopped":

@@ -31,7 +31,8 @@ from app.relay.inflight import EngineStopped, InFlight, error_event
 from app.relay.table import TableView
 from app.relay.upstream import EngineConnection, EngineGone, EnginePool, EngineUnreachable, StreamCut, request_head
 from common.events import log_event
-from engine.protocol import RESUMABLE_HEADER, ErrorInfo, ErrorResponse
+from engine.internal_stream import RESUMABLE_HEADER
+from engine.protocol import ErrorInfo, ErrorResponse
 
 log = logging.getLogger("warmgate.relay")
 

@@ -1,0 +1,39 @@
+"""The internal stream between an engine and the gateway's relays: the SSE a client gets, with comment lines.
+
+A relay asks an engine for it with the RESUMABLE_HEADER. The engine writes the data events an OpenAI client
+would get and, after each event that consumed tokens, a comment line (ignored by SSE clients, removed by the
+relay) with what resuming the request needs (``engine.protocol.InternalEvent``); the stream opens with a
+comment of the prompts' ids. This module is both ends of it: the engine encodes (``opening``, ``annotated``)
+and the relay decodes (``split``); ``[DONE]`` is defined here once.
+"""
+
+from __future__ import annotations
+
+from engine.protocol import InternalEvent
+
+RESUMABLE_HEADER = "x-warmgate-resumable"
+COMMENT = ": warmgate "  # an internal comment line begins so
+DONE = "data: [DONE]\n\n"
+
+DONE_BYTES = DONE.encode()
+DONE_EVENT = DONE_BYTES[:-2]  # the event without its blank line, as a reader splits events
+COMMENT_BYTES = COMMENT.encode()
+_NOTE = b"\n" + COMMENT_BYTES  # where an event's comment line begins
+
+
+def opening(note: InternalEvent) -> str:
+    """The stream's first event: a comment only (the prompts' ids, the response's id and its choices)."""
+    return f"{COMMENT}{note.model_dump_json(exclude_defaults=True)}\n\n"
+
+
+def annotated(event: str, note: InternalEvent) -> str:
+    """A data event followed by its comment line (the token ids it consumed, the characters sent)."""
+    return f"{event[:-1]}{COMMENT}{note.model_dump_json(exclude_defaults=True)}\n\n"
+
+
+def split(event: bytes) -> tuple[bytes, bytes | None]:
+    """An event (without its blank line) as (the data event, its comment's JSON or None)."""
+    at = event.find(_NOTE)
+    if at < 0:
+        return event, None
+    return event[:at], event[at + len(_NOTE) :]
