@@ -273,7 +273,8 @@ class EngineAPI:
         try:
             return await asyncio.to_thread(grammars.compile, spec)
         except GrammarError as exc:
-            raise ApiError(400, str(exc), param="response_format") from None
+            tools = isinstance(request, ChatCompletionRequest) and request.tool_mode() is not None
+            raise ApiError(400, str(exc), param="tools" if tools else "response_format") from None
 
     def admit(self, request: SamplingRequest, prompts: list[list[int]], prompt_param: str, id_prefix: str,
               internal: bool = False, grammar: Grammar | None = None) -> Answer:  # fmt: skip

@@ -292,6 +292,8 @@ def test_a_tool_round_trip_and_auto_answers(gateway: Gateway) -> None:
     ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "cannot be combined"),
     ({"functions": [{"name": "f"}]}, "use tools"),
     ({"tools": [{"type": "retrieval"}]}, "type"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+      "tool_choice": "required"}, "cannot be used"),
 ])  # fmt: skip
 def test_tools_that_cannot_be_honoured_are_refused_with_a_400(gateway: Gateway, fields: dict[str, Any],
                                                               words: str) -> None:  # fmt: skip
