@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -46,6 +47,7 @@ class LLMEngine(EngineThread[Sequence]):
         self.startup_phases: dict[str, float] = {}
         self.stats = StepStats(self)
         self._bitmask: torch.Tensor | None = None  # the grammars' token masks, one row per sequence sampled in a step
+        self._masker: ThreadPoolExecutor | None = None  # fills them while the forward runs
         with self._phase("device_init"):
             self.device = resolve_device(config.device)
             if self.device.type == "cuda":
@@ -189,29 +191,48 @@ class LLMEngine(EngineThread[Sequence]):
             return
         self._publish()
         self.stats.step_begin(step)
+        # Partial prompt chunks sample nothing, nor does a prompt only scored (max_tokens 0).
+        rows = [i for i, work in enumerate(step) if work.samples and work.seq.params.max_tokens]
+        masks = self._fill_masks([step[i].seq for i in rows])  # while the forward runs
         scored = frozenset(i for i, work in enumerate(step) if _scores_prompt(work))
         out = self.runner.run(step, scored)
         for i, logits in out.all_logits.items():
             _collect_prompt_logprobs(step[i], logits)
         for work in step:
             work.seq.computed = work.start + work.count
-        rows = [i for i, work in enumerate(step) if work.samples]  # partial prompt chunks sample nothing
-        for i in [i for i in rows if step[i].seq.params.max_tokens == 0]:  # a prompt scored, nothing generated
-            self._finish(step[i].seq, TokenEvent(None, "length", prompt_logprobs=_prompt_logprobs(step[i].seq)))
-            rows.remove(i)
+        for work in step:
+            if work.samples and not work.seq.params.max_tokens:  # a prompt scored, nothing generated
+                self._finish(work.seq, TokenEvent(None, "length", prompt_logprobs=_prompt_logprobs(work.seq)))
         if rows:
             logits = out.logits if len(rows) == len(step) else out.logits[rows]
-            self._advance([step[i].seq for i in rows], logits, [out.argmax[i] for i in rows])
+            self._advance([step[i].seq for i in rows], logits, [out.argmax[i] for i in rows], masks)
 
-    def _advance(self, seqs: list[Sequence], logits: torch.Tensor, argmax: list[int] | None = None) -> None:
+    def _fill_masks(self, seqs: list[Sequence]) -> Future[list[int]] | None:
+        """The token masks of the sequences that follow a grammar (row j for seqs[j]), filled in a helper thread
+        while this one runs the step's forward: a mask depends only on the tokens accepted so far. The future
+        gives the rows filled."""
+        constrained = [j for j, s in enumerate(seqs) if s.grammar is not None]
+        if not constrained:
+            return None
+        if self._bitmask is None:
+            self._bitmask = allocate_bitmask(self.config.max_num_seqs, self.args.shape.vocab)
+            self._masker = ThreadPoolExecutor(1, thread_name_prefix="warmgate-grammar")
+        bitmask = self._bitmask
+
+        def fill() -> list[int]:
+            for j in constrained:
+                seqs[j].grammar.fill(bitmask, j)  # type: ignore[union-attr]
+            return constrained
+
+        assert self._masker is not None
+        return self._masker.submit(fill)
+
+    def _advance(self, seqs: list[Sequence], logits: torch.Tensor, argmax: list[int] | None = None,
+                 masks: Future[list[int]] | None = None) -> None:  # fmt: skip
         params, outputs = [s.params for s in seqs], [s.output for s in seqs]
-        constrained = [i for i, s in enumerate(seqs) if s.grammar is not None]
-        if constrained:  # what their grammars allow: the logits of the rest become -inf
-            if self._bitmask is None:
-                self._bitmask = allocate_bitmask(self.config.max_num_seqs, self.args.shape.vocab)
-            for i in constrained:
-                seqs[i].grammar.fill(self._bitmask, i)  # type: ignore[union-attr]
-            apply_bitmask(logits, self._bitmask, constrained)
+        if masks is not None:  # what their grammars allow: the logits of the rest become -inf
+            assert self._bitmask is not None
+            apply_bitmask(logits, self._bitmask, masks.result())
             argmax = None
         sampled = sample(logits, params, outputs, [s.generator for s in seqs], argmax)
         for seq, token, logprobs in zip(seqs, sampled.tokens, sampled.logprobs, strict=True):
