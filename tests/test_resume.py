@@ -36,9 +36,12 @@ TEXTS = ["The history of the printing press", "Once upon a time, in a small vill
 @pytest.fixture(scope="module")
 def gateway(demo_path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     root = tmp_path_factory.mktemp("resume")
+    # Steps of at most 256 tokens: after a kill the next engine prefills every resumed request (prompt + output,
+    # 20 of them); in one 2048-token step that took over health_timeout on CI's loaded two cores, and the engine
+    # was killed as hung, again and again.
     config = (f'model = "{demo_path("bf16")}"\nserved_model_name = "demo"\n\n'
-              "[engine]\nmax_num_seqs = 20\nmax_model_len = 512\n\n"
-              '[restart]\nstrategy = "overlap"\nstandby = 1\nhealth_interval = 0.5\nhealth_timeout = 10\n'
+              "[engine]\nmax_num_seqs = 20\nmax_model_len = 512\nmax_num_batched_tokens = 256\n\n"
+              '[restart]\nstrategy = "overlap"\nstandby = 1\nhealth_interval = 0.5\nhealth_timeout = 30\n'
               "drain_timeout = 30\nqueue_timeout = 120\n")  # fmt: skip
     gw = start_gateway(root, config, env={"WARMGATE_TEST_CRASH_USER": POISON})
     yield gw
