@@ -338,3 +338,18 @@ async def test_recovery_attempts_after_a_crash_wait_twice_as_long_each_time_up_t
         await h.until(lambda: h.active is not None, "recovery again", timeout=10)
     finally:
         await h.reconciler.close()
+
+
+async def test_an_adopted_active_engine_without_a_standby_gets_one_with_no_other_event(tmp_path: Path) -> None:
+    """An earlier supervisor died while its standby was starting (that one is stopped at adoption): the next one
+    adopts the active engine alone, and its loop starts a standby although nothing else happens."""
+    h = Harness(tmp_path)
+    active = Engine(7, tmp_path / "engine-7.sock", tmp_path / "engine-7.log", tmp_path / "engine-7.beat", h.config,
+                    process=FakeProcess(), path="fork")  # fmt: skip
+    h.reconciler.adopt([(active, EngineState.ACTIVE)])
+    h.reconciler.start()
+    try:
+        standby = await h.standby_ready()
+        assert standby.id == 8 and h.active is active and ("start", 8) in h.launcher.log
+    finally:
+        await h.reconciler.close()

@@ -208,6 +208,9 @@ class Reconciler:
     def start(self) -> None:
         if self._loop_task is None:
             self._loop_task = asyncio.create_task(self._loop())
+            # A first look with no event: adopted engines may lack a standby (an earlier supervisor died while one
+            # was starting, and it was stopped), and nothing else would make the loop start one.
+            self.post(Wake())
 
     def adopt(self, engines: list[tuple[Engine, EngineState]]) -> None:
         """Take over engines an earlier supervisor left running, each in its state (ACTIVE or STANDBY), before the

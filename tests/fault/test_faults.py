@@ -160,10 +160,11 @@ def _every_client_served(s: Suite, seconds: float = 60) -> None:
 
 
 def _ready_for_fault(s: Suite) -> int:
-    """A standby is ready and every client is being served: the state each fault is injected in."""
-    standby = _standby_ready(s)
+    """Every client is being served and a standby is ready: the state each fault is injected in. (In this order:
+    a client stuck on an engine found hung meanwhile is served once the standby is promoted, and then the next
+    standby must be ready again.)"""
     _every_client_served(s)
-    return standby
+    return _standby_ready(s)
 
 
 def _standby_ready(s: Suite) -> int:
