@@ -15,6 +15,7 @@ import json
 import random
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,23 @@ def _allowed(mask_row: torch.Tensor, vocab: int) -> list[int]:
     return bits.nonzero().flatten().tolist()
 
 
+def _follow(matchers: list[Any], mask: torch.Tensor, vocab: int, steps: int, fill: Callable[[Any, int], Any],
+            done: Callable[[Any], bool], take: Callable[[Any, int], Any]) -> list[float]:  # fmt: skip
+    """``steps`` steps of the batch: fill every row's mask (timed, ms), then each unfinished matcher takes a random
+    allowed token."""
+    times = []
+    rng = random.Random(0)
+    for _ in range(steps):
+        t = time.perf_counter()
+        for i, m in enumerate(matchers):
+            fill(m, i)
+        times.append(1e3 * (time.perf_counter() - t))
+        for i, m in enumerate(matchers):
+            if not done(m):
+                take(m, rng.choice(_allowed(mask[i], vocab)))
+    return times
+
+
 def run_llguidance(tokenizer_json: str, eos: int, vocab: int, batch: int, steps: int) -> dict[str, Any]:
     import llguidance
     import llguidance.torch as lt
@@ -53,19 +71,9 @@ def run_llguidance(tokenizer_json: str, eos: int, vocab: int, batch: int, steps:
     matchers = [llguidance.LLMatcher(tok, grammar) for _ in range(batch)]
     compile_s = time.perf_counter() - t
     mask = lt.allocate_token_bitmask(batch, vocab)
-    times = []
-    rng = random.Random(0)
-    for _ in range(steps):
-        t = time.perf_counter()
-        for i, m in enumerate(matchers):
-            lt.fill_next_token_bitmask(m, mask, i)
-        times.append(time.perf_counter() - t)
-        for i, m in enumerate(matchers):
-            if m.is_stopped():
-                continue
-            allowed = _allowed(mask[i], vocab)
-            m.consume_token(rng.choice(allowed))
-    return {"tokenizer_s": tokenizer_s, "compile_s": compile_s, "mask_ms": [1e3 * x for x in times]}
+    times = _follow(matchers, mask, vocab, steps, lambda m, i: lt.fill_next_token_bitmask(m, mask, i),
+                    lambda m: m.is_stopped(), lambda m, token: m.consume_token(token))  # fmt: skip
+    return {"tokenizer_s": tokenizer_s, "compile_s": compile_s, "mask_ms": times}
 
 
 def run_xgrammar(vocab_strings: list[str], special: set[int], eos: int, vocab: int, batch: int,
@@ -82,19 +90,9 @@ def run_xgrammar(vocab_strings: list[str], special: set[int], eos: int, vocab: i
     compile_s = time.perf_counter() - t
     matchers = [xgr.GrammarMatcher(compiled) for _ in range(batch)]
     mask = xgr.allocate_token_bitmask(batch, vocab)
-    times = []
-    rng = random.Random(0)
-    for _ in range(steps):
-        t = time.perf_counter()
-        for i, m in enumerate(matchers):
-            m.fill_next_token_bitmask(mask, i)
-        times.append(time.perf_counter() - t)
-        for i, m in enumerate(matchers):
-            if m.is_terminated():
-                continue
-            allowed = _allowed(mask[i], vocab)
-            m.accept_token(rng.choice(allowed))
-    return {"tokenizer_s": tokenizer_s, "compile_s": compile_s, "mask_ms": [1e3 * x for x in times]}
+    times = _follow(matchers, mask, vocab, steps, lambda m, i: m.fill_next_token_bitmask(mask, i),
+                    lambda m: m.is_terminated(), lambda m, token: m.accept_token(token))  # fmt: skip
+    return {"tokenizer_s": tokenizer_s, "compile_s": compile_s, "mask_ms": times}
 
 
 def main() -> None:

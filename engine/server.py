@@ -634,24 +634,24 @@ def create_app(engine: ServingEngine, tokenizer: ChatTokenizer) -> FastAPI:
         card = ModelCard(id=api.model_name, root=str(engine.config.model), max_model_len=engine.max_model_len)
         return ModelList(data=[card])
 
+    async def respond(request: SamplingRequest, raw: Request, prompts: list[list[int]], prompt_param: str,
+                      id_prefix: str) -> JSONResponse | StreamingResponse:  # fmt: skip
+        grammar = await api.grammar(request)
+        internal = raw.headers.get(RESUMABLE_HEADER) == "1"
+        answer = api.admit(request, prompts, prompt_param, id_prefix, internal, grammar)
+        events = api.events(request, answer)
+        if request.stream:
+            return api.stream(answer, events)
+        return await api.whole(answer, events, raw, isinstance(request, ChatCompletionRequest))
+
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(request: ChatCompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:
         api.check_model(request.model)
-        prompts = api.chat_prompts(request)
-        grammar = await api.grammar(request)
-        internal = raw.headers.get(RESUMABLE_HEADER) == "1"
-        answer = api.admit(request, prompts, "messages", "chatcmpl", internal, grammar)
-        events = api.events(request, answer)
-        return api.stream(answer, events) if request.stream else await api.whole(answer, events, raw, True)
+        return await respond(request, raw, api.chat_prompts(request), "messages", "chatcmpl")
 
     @app.post("/v1/completions", response_model=None)
     async def completions(request: CompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:
         api.check_model(request.model)
-        prompts = api.completion_prompts(request)
-        grammar = await api.grammar(request)
-        internal = raw.headers.get(RESUMABLE_HEADER) == "1"
-        answer = api.admit(request, prompts, "prompt", "cmpl", internal, grammar)
-        events = api.events(request, answer)
-        return api.stream(answer, events) if request.stream else await api.whole(answer, events, raw, False)
+        return await respond(request, raw, api.completion_prompts(request), "prompt", "cmpl")
 
     return app
