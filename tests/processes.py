@@ -150,7 +150,9 @@ def check_attached_share_one_copy(cache: Process, attached: list[Worker], output
     """The four-path check's common half, for any backend: every engine's greedy output (``outputs``, keyed
     by path) is the disk engine's; the ``attached`` engines hold the cache's leases, say they came from
     ``ipc`` with the cache's key, map the cache's own memfd arena, and hold no private copy of the weights
-    (their RssAnon is below the disk engine's, ``disk_anon``, by most of the arena).
+    (their RssAnon is below the disk engine's, ``disk_anon``, by over half the arena: a private copy would put
+    the two within the noise of everything else an engine allocates, which CI has seen reach 40 MB, a quarter
+    of the fp8-channel demo's 164 MB arena).
     Returns the arena's size, for the backend's own checks."""
     for path, output in outputs.items():
         assert output == outputs["disk"], path
@@ -163,7 +165,7 @@ def check_attached_share_one_copy(cache: Process, attached: list[Worker], output
         assert weights["source"] == "ipc" and weights["key"] == manifest.key and weights["fallbacks"] == 0, weights
         assert memfd_arenas(worker.pid) == cache_arenas  # the cache's memfd (same inode) mapped: no copy
         anon = proc_status(worker.pid)["RssAnon"]
-        assert disk_anon - anon > 0.8 * arena_bytes, (disk_anon, anon, arena_bytes)
+        assert disk_anon - anon > 0.5 * arena_bytes, (disk_anon, anon, arena_bytes)
     return int(arena_bytes)
 
 

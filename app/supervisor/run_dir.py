@@ -79,10 +79,14 @@ class RunDir:
         return self.generation
 
     def record_address(self, url: str) -> None:
-        """Where this gateway listens (mode 0600: the run dir's files are its owner's)."""
-        fd = os.open(self.path / ADDRESS_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        """Where this gateway listens (mode 0600: the run dir's files are its owner's). Written aside and renamed
+        into place: a reader polling for it (the CLI, a test) sees no file or the whole address, never an empty
+        one."""
+        staging = self.path / f".{ADDRESS_FILE}.{os.getpid()}"
+        fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as out:
             out.write(Address(url=url, pid=os.getpid()).model_dump_json() + "\n")
+        os.replace(staging, self.path / ADDRESS_FILE)
 
     def release(self) -> None:
         """The gateway stopped: its address goes; the lock with the file descriptor."""
