@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU runs for the serving engine, on the device machine (torch + Triton there; the rest travels as wheels in .whl/,
 # the demo tokenizer for the synthetic checkpoint in .gputok/: see docs/benchmarks.md).
-#   bash bench/gpu_serving.sh setup probe tests graphs profile engine restarts serve     # any subset, in this order
+#   bash bench/gpu_serving.sh setup probe tests graphs profile engine structured prefix restarts serve  # any subset
 # The serving acceptance (setup + serve fit one 10-minute device call: ~10 s wheels, ~25 s synth, serve <= 480 s):
 #   bash bench/gpu_serving.sh setup serve        # carry .whl and .gputok; SERVE_ARGS / SERVE_TIMEOUT override
 # Results go to a folder under /tmp/gpuout, packed at the end into $OUT/results.tgz (markdown copied beside it).
@@ -11,6 +11,19 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
+# .whl/opt: what xgrammar needs (transformers and its dependencies), installed only where the image lacks them.
+OPT=$(python3 - <<'PY'
+import importlib.metadata as md, pathlib
+for wheel in sorted(pathlib.Path(".whl/opt").glob("*.whl")):
+    try:
+        md.version(wheel.name.split("-")[0])
+    except md.PackageNotFoundError:
+        print(wheel)
+PY
+)
+[ -z "$OPT" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site $OPT \
+  || exit 1
+echo "installed from .whl/opt: $(echo $OPT | xargs -n1 basename 2>/dev/null | tr '\n' ' ')"
 MODEL=/tmp/wg/llama3-8b-fp8-block
 RUN=/tmp/gpuout/run-$(date +%H%M%S)
 mkdir -p $RUN
@@ -39,6 +52,25 @@ demo._write_marker(t, 'fp8-block', seconds=0.0)"
             ;;
     engine) timeout ${ENGINE_TIMEOUT:-240} python3 bench/gpu_engine.py --out $RUN/engine --work /tmp/wg \
               --skip kernels synth graphs hf sweep profile variants host 2>&1 | tail -30 ;;
+    structured) # Issue 23's acceptance: 64 streams, every request plain, held to a JSON schema, or with logprobs 5
+            # (plain first and last, for the run's own spread). About 3 min with the server's start.
+            ST=${STRUCTURED_TIMEOUT:-420}
+            timeout -k 30 $ST python3 bench/serve_load.py --model $MODEL --device cuda --max-num-seqs 128 \
+              --kv-cache-bytes 20000000000 --out $RUN/structured --deadline-s $((ST - 60)) --concurrency 64 \
+              --requests-per-client 8 --direct-concurrency 0 --restart-probe 0 \
+              --variants plain,json_schema,logprobs=5,plain 2>&1 | tail -30
+            cp $RUN/structured/serve_load.md $OUT/structured.md 2>/dev/null
+            cp $RUN/structured/serve_load.json $OUT/structured.json 2>/dev/null ;;
+    prefix) # Prefix caching (issue 25): 64 streams sharing a 2,000-token system prompt, each with its own ~50-token
+            # question, with the cache on (the default) and off. About 2.5 min per run with the server's start.
+            for caching in true false; do
+              timeout -k 30 ${PREFIX_TIMEOUT:-270} python3 bench/serve_load.py --model $MODEL --device cuda \
+                --max-num-seqs 128 --kv-cache-bytes 20000000000 --out $RUN/prefix-$caching --deadline-s 200 \
+                --concurrency 64 --requests-per-client 4 --direct-concurrency 0 --restart-probe 0 \
+                --shared-prefix 2000 --prompt-len 50 --engine-set enable_prefix_caching=$caching 2>&1 | tail -8
+              cp $RUN/prefix-$caching/serve_load.md $OUT/prefix-$caching.md 2>/dev/null
+              cp $RUN/prefix-$caching/serve_load.json $OUT/prefix-$caching.json 2>/dev/null
+            done ;;
     restarts) timeout ${RESTARTS_TIMEOUT:-420} python3 bench/restart_paths.py --model $MODEL --device cuda --clients 32 \
               --out $RUN/restarts 2>&1 | tail -30
             cp $RUN/restarts/restart_paths.md $OUT/ 2>/dev/null ;;

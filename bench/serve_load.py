@@ -146,13 +146,15 @@ def write_config(args: argparse.Namespace, path: Path) -> str:
 
 
 def prompt_source(args: argparse.Namespace) -> Callable[[], list[int]]:
-    """Distinct random token-id prompts, lengths uniform in prompt_len ± jitter, from a seeded RNG."""
+    """Distinct random token-id prompts, lengths uniform in prompt_len ± jitter, from a seeded RNG; with
+    --shared-prefix N, each after the same N random tokens (a system prompt every request shares)."""
     rng, seen = random.Random(args.seed), set()
+    prefix = tuple(rng.randrange(1000, args.vocab - 1000) for _ in range(args.shared_prefix))
 
     def next_prompt() -> list[int]:
         while True:
             n = rng.randint(max(1, args.prompt_len - args.prompt_jitter), args.prompt_len + args.prompt_jitter)
-            ids = tuple(rng.randrange(1000, args.vocab - 1000) for _ in range(n))
+            ids = prefix + tuple(rng.randrange(1000, args.vocab - 1000) for _ in range(n))
             if ids not in seen:
                 seen.add(ids)
                 return list(ids)
@@ -363,7 +365,7 @@ class HttpxClient:
 async def one_request(client: RawClient | HttpxClient, prompt: list[int], output_len: int,
                       timeout: float, extra: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
     """One streamed completion: start/end (monotonic s), TTFT, inter-chunk gaps, output tokens, ok/error.
-    ``extra``: more request fields (--response-format, --logprobs)."""
+    ``extra``: more request fields (the level's --variants entry)."""
     fields = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True, "stream": True,
               "stream_options": {"include_usage": True}}  # fmt: skip
     body = json.dumps({**fields, **(extra or {})}).encode()
@@ -433,25 +435,30 @@ def client_main(conn: Any, use_uvloop: bool) -> None:
         runner.run(serve())
 
 
-def request_extra(args: argparse.Namespace) -> dict[str, Any]:
-    """The request fields --response-format and --logprobs add."""
-    extra: dict[str, Any] = {}
-    if args.response_format == "json_schema":
+def variant_fields(variant: str) -> dict[str, Any]:
+    """The request fields a --variants entry adds: ``plain`` none; ``json_schema`` a JSON schema held on every token
+    (a list of at least 32 records of grammar_masks.py's schema, so no answer completes within --output-len and
+    every token is constrained); ``logprobs=N`` logprobs with N alternatives per token."""
+    if variant == "plain":
+        return {}
+    if variant == "json_schema":
         from grammar_masks import SCHEMA
 
-        extra["response_format"] = {"type": "json_schema", "json_schema": {"name": "bench", "schema": SCHEMA}}
-    if args.logprobs is not None:
-        extra["logprobs"] = args.logprobs
-    return extra
+        schema = {"type": "object", "properties": {"people": {"type": "array", "items": SCHEMA, "minItems": 32}},
+                  "required": ["people"], "additionalProperties": False}  # fmt: skip
+        return {"response_format": {"type": "json_schema", "json_schema": {"name": "bench", "schema": schema}}}
+    name, _, n = variant.partition("=")
+    if name == "logprobs" and n.isdigit():
+        return {"logprobs": int(n)}
+    raise ValueError(f"unknown variant {variant!r} (plain, json_schema, logprobs=N)")
 
 
 class ClientPool:
     """--client-procs client processes; a level's streams and prompts are dealt out round robin."""
 
-    def __init__(self, procs: int, client: str, use_uvloop: bool, api_key: str | None, timeout: float,
-                 extra: dict[str, Any] | None = None) -> None:  # fmt: skip
+    def __init__(self, procs: int, client: str, use_uvloop: bool, api_key: str | None, timeout: float) -> None:
         ctx = multiprocessing.get_context("spawn")
-        self.client, self.api_key, self.timeout, self.extra = client, api_key, timeout, extra
+        self.client, self.api_key, self.timeout = client, api_key, timeout
         self.conns, self.procs = [], []
         for i in range(procs):
             parent, child = ctx.Pipe()
@@ -462,8 +469,8 @@ class ClientPool:
             self.procs.append(proc)
         self.hello = [c.recv() for c in self.conns]
 
-    def run(self, target: str, prompts: list[list[int]], concurrency: int, output_len: int,
-            stop_at: float | None) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # fmt: skip
+    def run(self, target: str, prompts: list[list[int]], concurrency: int, output_len: int, stop_at: float | None,
+            extra: dict[str, Any] | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # fmt: skip
         n = len(self.conns)
         busy = []
         start_at = time.monotonic() + 0.05
@@ -474,7 +481,7 @@ class ClientPool:
             mine = [p for j, p in enumerate(prompts) if (j % concurrency) % n == i]
             conn.send({"target": target, "prompts": mine, "streams": streams, "output_len": output_len,
                        "timeout": self.timeout, "start_at": start_at, "stop_at": stop_at, "client": self.client,
-                       "api_key": self.api_key, "connections": streams + 4, "extra": self.extra})  # fmt: skip
+                       "api_key": self.api_key, "connections": streams + 4, "extra": extra})  # fmt: skip
             busy.append(conn)
         results = [conn.recv() for conn in busy]
         recs = sorted((r for res in results for r in res["records"]), key=lambda r: r["start"])
@@ -751,8 +758,7 @@ class Bench:
 
     def run(self) -> None:
         a = self.args
-        self.pool = ClientPool(a.client_procs, a.client, a.client_loop != "asyncio", a.api_key, a.request_timeout,
-                               request_extra(a))  # fmt: skip
+        self.pool = ClientPool(a.client_procs, a.client, a.client_loop != "asyncio", a.api_key, a.request_timeout)
         self.result["client"] = {"procs": a.client_procs, "kind": a.client, "hello": self.pool.hello}
         say(f"{a.client_procs} client processes ({a.client} client, loop {self.pool.hello[0]['loop']}, "
             f"open files {self.pool.hello[0]['nofile']})")  # fmt: skip
@@ -776,9 +782,10 @@ class Bench:
             recs, _ = self.pool.run(self.url, [self.prompts() for _ in range(a.restart_probe)], 1, a.output_len, None)
             result["probe_after_ready"] = compact(recs, a.started)
         self.settle()
-        direct = list(a.direct_concurrency)
+        direct = [c for c in a.direct_concurrency if c > 0]  # 0: none
         for c in a.concurrency:
-            self.level("gateway", c)
+            for variant in a.variants:
+                self.level("gateway", c, variant)
             if c in direct:
                 direct.remove(c)
                 self.level("engine-socket", c)
@@ -816,7 +823,7 @@ class Bench:
         self.result["settle_s"] = time.monotonic() - t
         say(f"engines settled after {self.result['settle_s']:.1f} s")
 
-    def level(self, target_kind: str, c: int) -> None:
+    def level(self, target_kind: str, c: int, variant: str = "plain") -> None:
         a, result = self.args, self.result
         assert self.pool is not None
         if self.past_deadline():
@@ -836,9 +843,10 @@ class Bench:
         n = max(c * self.rpc(c), 16)
         prompts = [self.prompts() for _ in range(n)]
         warm_prompts = [self.prompts() for _ in range(warm)]
-        say(f"{target_kind} {c}: {warm} warm-up, then {n} requests ({target}) ...")
+        extra = variant_fields(variant)
+        say(f"{target_kind} {c} {variant}: {warm} warm-up, then {n} requests ({target}) ...")
         self.logs.mark()
-        warmup, _ = self.pool.run(target, warm_prompts, c, a.output_len, self.stop_at) if warm else ([], {})
+        warmup, _ = self.pool.run(target, warm_prompts, c, a.output_len, self.stop_at, extra) if warm else ([], {})
         pids = watched_pids(self.admin.status() or status, self.serve_pid, a.gateway_pid)
         before = cpu_snapshot(pids)
         fault: dict[str, Any] = {"concurrency": c}  # filled by the fault's thread, also after the level
@@ -847,7 +855,7 @@ class Bench:
             timer.daemon = True
             timer.start()
         t = time.monotonic()
-        recs, client = self.pool.run(target, prompts, c, a.output_len, self.stop_at)
+        recs, client = self.pool.run(target, prompts, c, a.output_len, self.stop_at, extra)
         wall = time.monotonic() - t
         if "kind" in fault:
             result.setdefault("faults", []).append(fault)
@@ -861,7 +869,7 @@ class Bench:
         totals = Counter()
         for counts in events.values():
             totals.update(counts)
-        record = {"target": target_kind, "url": target, **stats, "warmup_requests": len(warmup),
+        record = {"target": target_kind, "variant": variant, "url": target, **stats, "warmup_requests": len(warmup),
                   "warmup_errors": sum(not r["ok"] for r in warmup), "truncated": len(recs) < n, "cpu": cpu,
                   "client": client, "crash_restarts": None if restarts is None else sum(map(is_kill, restarts)),
                   "restarts": restarts, "log_events": events, "events": dict(totals),
@@ -938,15 +946,17 @@ def markdown(result: dict[str, Any]) -> str:
     a = result["args"]
     lines = [f"warmgate serve_load: {result['model']} on {result.get('device_name', '?')} ({result['date']}, "
              f"{result['git_commit']})", "",
-             f"prompt ~{a['prompt_len']} tokens, output {a['output_len']} tokens, ignore_eos, temperature 0; "
+             (f"a shared prefix of {a['shared_prefix']} tokens, then " if a.get("shared_prefix") else "")
+             + f"prompt ~{a['prompt_len']} tokens, output {a['output_len']} tokens, ignore_eos, temperature 0; "
              f"closed loop, {a['client_procs']} client processes ({a['client']} client)"
              + (f"; engine: `{result['engine_settings']}`" if result.get("engine_settings") else ""), "",
-             "| target | concurrency | requests | failed | output tok/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 "
-             "| crash restarts | engine_hung |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+             "| target | concurrency | variant | requests | failed | output tok/s | TTFT p50 | TTFT p99 | TPOT p50 "
+             "| TPOT p99 | crash restarts | engine_hung |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for s in result["levels"]:
         hung = s["events"].get("engine_hung", 0)
-        lines.append(f"| {s['target']} | {s['concurrency']} | {s['requests']}{' (cut)' if s['truncated'] else ''} | "
+        cut = " (cut)" if s["truncated"] else ""
+        lines.append(f"| {s['target']} | {s['concurrency']} | {s.get('variant', 'plain')} | {s['requests']}{cut} | "
                      f"{s['errors']} | {s['output_tok_s']:,.0f} | {fmt(s['ttft']['p50_ms'])} | "
                      f"{fmt(s['ttft']['p99_ms'])} | {fmt(s['tpot']['p50_ms'], '.2f')} | "
                      f"{fmt(s['tpot']['p99_ms'], '.2f')} | {fmt(s['crash_restarts'], 'd')} | {hung} |")  # fmt: skip
@@ -1051,11 +1061,12 @@ def main() -> None:
     p.add_argument("--deadline-s", type=float,
                    help="seconds from the script's start after which no request, level or restart probe starts "
                         "(what was measured is kept)")  # fmt: skip
-    p.add_argument("--response-format", choices=("json_schema",),
-                   help="every request held to a JSON schema (bench/grammar_masks.py's)")
-    p.add_argument("--logprobs", type=int, help="every request asks for logprobs with this many alternatives")
+    p.add_argument("--variants", type=lambda t: t.split(","), default=["plain"],
+                   help="each gateway level runs once per entry: plain, json_schema (every token held to a schema), "
+                        "logprobs=N (N alternatives per token)")  # fmt: skip
     p.add_argument("--prompt-len", type=int, default=160)
     p.add_argument("--prompt-jitter", type=int, default=3)
+    p.add_argument("--shared-prefix", type=int, default=0, help="tokens every prompt starts with (before its own)")
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--vocab", type=int, default=49152, help="token ids are drawn from [1000, vocab-1000)")
     p.add_argument("--restart-probe", type=int, default=10, help="sequential requests after start and restart")
@@ -1065,6 +1076,11 @@ def main() -> None:
     p.add_argument("--fault-at", type=float, default=5.0)
     p.add_argument("--fault-levels", type=int_list, default=[64])
     args = p.parse_args()
+    for variant in args.variants:
+        try:
+            variant_fields(variant)
+        except ValueError as exc:
+            p.error(f"--variants: {exc}")
     if len(args.requests_per_client) not in (1, len(args.concurrency)):
         p.error("--requests-per-client: one value, or one per --concurrency level")
     if len(args.requests_per_client) == 1:
