@@ -48,6 +48,9 @@ class EngineSettings(BaseModel):
     ] = 2048
     block_size: Annotated[int, Field(ge=1, le=256, description="KV cache positions per block")] = 16
     cuda_graphs: Annotated[bool, Field(description="capture CUDA graphs at start-up (CUDA only)")] = True
+    enable_prefix_caching: Annotated[
+        bool, Field(description="reuse the KV cache blocks of prompt prefixes already computed (vLLM's name)")
+    ] = True
     default_max_tokens: Annotated[
         int, Field(ge=1, description="max_tokens of a request that sets none (less if the context is shorter)")
     ] = 256

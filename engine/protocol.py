@@ -638,6 +638,8 @@ class HealthResponse(OpenAIModel):
     waiting: int
     in_flight: int
     preemptions: int = 0  # sequences whose KV blocks were taken back for others (recomputed later)
+    prefix_cache_queries: int = 0  # tokens of the sequences admitted since the engine started (vLLM's names)
+    prefix_cache_hits: int = 0  # those of them taken from the prefix cache, not computed
     kv_blocks_free: int = 0
     kv_blocks_total: int = 0
     device_memory_bytes: int = 0  # what this process holds on its GPU (CUDA context and graphs aside): 0 on CPU

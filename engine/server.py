@@ -108,6 +108,11 @@ class ServingEngine(Protocol):
     def num_preemptions(self) -> int: ...
 
     @property
+    def prefix_cache(self) -> tuple[int, int]:
+        """Tokens queried and found in the prefix cache since the engine started."""
+        ...
+
+    @property
     def kv_blocks_free(self) -> int: ...
 
     @property
@@ -611,6 +616,8 @@ def create_app(engine: ServingEngine, tokenizer: ChatTokenizer) -> FastAPI:
             waiting=engine.num_waiting,
             in_flight=api.admission.in_flight,
             preemptions=engine.num_preemptions,
+            prefix_cache_queries=engine.prefix_cache[0],
+            prefix_cache_hits=engine.prefix_cache[1],
             kv_blocks_free=engine.kv_blocks_free,
             kv_blocks_total=engine.kv_blocks_total,
             device_memory_bytes=engine.device_memory_bytes(),

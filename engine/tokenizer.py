@@ -170,8 +170,11 @@ class ChatTokenizer:
         """Every id below ``size`` as a grammar library reads it, and how it is encoded: the tokenizer's own strings
         for byte-level and byte-fallback vocabularies (the library decodes them: one C call here, 0.07 s for 49k
         tokens, where decoding them in Python took 0.9 s of GIL from the engine's thread), else each token's bytes.
-        Special tokens (and ids no token has) are empty: a grammar never allows them inside an answer."""
+        Special tokens (and ids no token has) are empty: a grammar never allows them inside an answer. Ids past
+        the tokenizer's own (a model's vocabulary padded to a round size: 128,256 for 49,152 tokens in the
+        synthetic checkpoints) are left out (engine/grammar.py's TokenMasks)."""
         special = self.special_token_ids
+        size = min(size, self._tokenizer.get_vocab_size(with_added_tokens=True))
         if self._byte_level or self._byte_fallback:
             strings = [""] * size
             for piece, i in self._tokenizer.get_vocab(with_added_tokens=True).items():

@@ -136,6 +136,24 @@ def _generate_each(engine: LLMEngine, ids: list[list[int]], params: list[Samplin
     return outputs
 
 
+def test_prefix_caching_changes_no_greedy_token(demo_path, tokenizer) -> None:
+    """Prompts sharing a long prefix (a system prompt, then questions of every length), some twice, with the
+    cache on (the prefix computed once, then taken from the cache) and off: the same greedy tokens."""
+    path = demo_path("bf16")
+    system = tokenizer.encode("You are a helpful assistant who answers briefly and precisely. " * 4).ids
+    prompts = [system + tokenizer.encode(q).ids for q in ["Why is the sky blue?", "Name a prime.", "2+2=",
+               "Write one line about the sea and the wind and the rain."]]  # fmt: skip
+    prompts += prompts[:2]
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    expected = _engine(path, enable_prefix_caching=False).generate(prompts, greedy)
+    on = _engine(path)
+    allocator = on.scheduler.allocator
+    assert on.generate(prompts, greedy) == expected  # at once: the first computes the prefix, the rest wait for it
+    assert allocator.hit_tokens >= (len(prompts) - 1) * (len(system) // 16 * 16)
+    assert on.generate(prompts[::-1], greedy) == expected[::-1]  # later: every prefix from the cache
+    assert on.kv_blocks_free == on.kv_blocks_total
+
+
 def test_stops_on_eos_and_max_tokens(demo_path, tokenizer) -> None:
     from engine.tokenizer import model_eos_ids
 

@@ -1,4 +1,6 @@
-"""The scheduler on its own: token budget, prompt chunks, block accounting, preemption and recompute."""
+"""The scheduler on its own: token budget, prompt chunks, block accounting, preemption and recompute, and prefix
+caching (shared blocks, waiting for a prefix being computed, eviction, preemption of a sequence whose blocks are
+shared)."""
 
 from __future__ import annotations
 
@@ -7,16 +9,27 @@ from engine.native.scheduler import Scheduler, Sequence
 from engine.sampling_params import SamplingParams
 
 
-def _seq(name: str, length: int) -> Sequence:
-    return Sequence(name, list(range(length)), SamplingParams(max_tokens=100), lambda event: None)
+def _seq(name: str, length: int, first: int = 0) -> Sequence:
+    return Sequence(name, list(range(first, first + length)), SamplingParams(max_tokens=100), lambda event: None)
 
 
-def _advance(step) -> None:
+def _advance(step, scheduler: Scheduler | None = None) -> None:
     """What the engine does after a forward: mark tokens computed, append a token where one was sampled."""
+    if scheduler is not None:
+        scheduler.computed(step)
     for work in step:
         work.seq.computed = work.start + work.count
         if work.samples:
             work.seq.output.append(1)
+
+
+def _caching(blocks: int, max_seqs: int = 8, budget: int = 64) -> Scheduler:
+    """A scheduler with prefix caching over ``blocks`` usable blocks of 4 positions."""
+    return Scheduler(BlockAllocator(KVCacheSpec(blocks + 1, 4, 1), prefix_caching=True), max_seqs, budget)
+
+
+def _work(step) -> list[tuple[str, int, int]]:
+    return [(w.seq.request_id, w.start, w.count) for w in step]
 
 
 def test_prompts_are_chunked_by_the_budget_and_decodes_go_first() -> None:
@@ -59,4 +72,101 @@ def test_out_of_blocks_the_latest_sequence_is_preempted_and_recomputed() -> None
     step = scheduler.schedule()  # `second` comes back: prompt and output recomputed in one chunk
     assert [(w.seq.request_id, w.start, w.count, w.samples) for w in step] == [("second", 0, second.length, True)]
     scheduler.finish(second)
-    assert len(allocator.free) == 5
+    assert allocator.free == 5
+
+
+def test_a_prompt_that_shares_a_prefix_takes_its_cached_blocks_and_computes_the_rest() -> None:
+    scheduler = _caching(32)
+    first = _seq("first", 10)
+    scheduler.add(first)
+    _advance(scheduler.schedule(), scheduler)  # 10 prompt tokens: blocks 0-1 full and cached
+    scheduler.finish(first)
+    allocator = scheduler.allocator
+    assert allocator.free == 32 and len(allocator.block_of) == 2
+    again, longer = _seq("again", 10), _seq("longer", 13)  # the same prompt; one that goes on past it
+    scheduler.add(again)
+    scheduler.add(longer)
+    step = scheduler.schedule()
+    assert _work(step) == [("again", 8, 2), ("longer", 8, 5)]
+    assert again.blocks[:2] == longer.blocks[:2] and allocator.refs[again.blocks[0]] == 2
+    assert (allocator.queried_tokens, allocator.hit_tokens) == (10 + 10 + 13, 16)
+
+
+def test_a_whole_prompt_in_the_cache_still_computes_its_last_token() -> None:
+    scheduler = _caching(32)
+    first = _seq("first", 8)
+    scheduler.add(first)
+    _advance(scheduler.schedule(), scheduler)
+    held = list(first.blocks)
+    scheduler.finish(first)
+    again = _seq("again", 8)
+    scheduler.add(again)
+    assert _work(scheduler.schedule()) == [("again", 4, 4)]  # block 1 holds the last token: computed again
+    assert again.blocks[0] == held[0] and again.blocks[1] != held[1]
+
+
+def test_choices_of_one_prompt_wait_for_its_prefill_instead_of_computing_it_again() -> None:
+    scheduler = _caching(64, budget=8)
+    choices = [_seq(f"c{i}", 18) for i in range(3)]
+    for seq in choices:
+        scheduler.add(seq)
+    # c0's prompt takes three steps of 8 tokens; c1 and c2 wait, their blocks being computed by c0.
+    for expected in ([("c0", 0, 8)], [("c0", 8, 8)]):
+        step = scheduler.schedule()
+        assert _work(step) == expected
+        _advance(step, scheduler)
+    assert _work(scheduler.schedule()) == [("c0", 16, 2), ("c1", 16, 2), ("c2", 16, 2)]
+    assert choices[1].blocks[:4] == choices[0].blocks[:4] == choices[2].blocks[:4]
+    assert [len(set(s.blocks[4:])) for s in choices] == [1, 1, 1] and len({s.blocks[4] for s in choices}) == 3
+
+
+def test_a_sequence_scoring_its_prompt_takes_no_cached_block() -> None:
+    scheduler = _caching(32)
+    first = _seq("first", 10)
+    scheduler.add(first)
+    _advance(scheduler.schedule(), scheduler)
+    scoring = _seq("scoring", 10)
+    scoring.prompt_logprobs = [None]  # it needs every prompt position's logits
+    scheduler.add(scoring)
+    assert _work(scheduler.schedule()) == [("first", 10, 1), ("scoring", 0, 10)]
+
+
+def test_cached_blocks_are_evicted_oldest_first_when_free_ones_run_out() -> None:
+    scheduler = _caching(6)
+    allocator = scheduler.allocator
+    a, b = _seq("a", 9, first=0), _seq("b", 9, first=100)  # 2 full blocks each, 3 blocks with the partial one
+    for seq in (a, b):
+        scheduler.add(seq)
+        _advance(scheduler.schedule(), scheduler)
+        scheduler.finish(seq)
+    assert allocator.free == 6 and len(allocator.cached_free) == 4 and not allocator.plain[:0]
+    c = _seq("c", 13, first=200)  # 4 blocks: the 2 plain ones, then a's two (released first), b's stay cached
+    scheduler.add(c)
+    _advance(scheduler.schedule(), scheduler)
+    assert allocator.cached_prefix(a.hashes) == [] and len(allocator.cached_prefix(b.hashes)) == 2
+    scheduler.finish(c)
+    again = _seq("b again", 9, first=100)
+    scheduler.add(again)
+    assert _work(scheduler.schedule()) == [("b again", 8, 1)]
+    assert again.blocks[:2] == allocator.cached_prefix(b.hashes)
+
+
+def test_a_preempted_sequence_leaves_its_shared_blocks_to_the_other_and_takes_them_back() -> None:
+    scheduler = _caching(7, max_seqs=4)
+    allocator = scheduler.allocator
+    first = _seq("first", 8)
+    scheduler.add(first)
+    _advance(scheduler.schedule(), scheduler)  # blocks 0-1 of the prompt, cached
+    second = _seq("second", 8)
+    scheduler.add(second)
+    _advance(scheduler.schedule(), scheduler)  # second shares block 0, computes block 1's last token in its own
+    shared = first.blocks[0]
+    assert second.blocks[0] == shared and allocator.refs[shared] == 2
+    while second.preemptions == 0:  # both grow until blocks run out: the latest, second, is preempted
+        _advance(scheduler.schedule(), scheduler)
+    assert allocator.refs[shared] == 1 and first.blocks[0] == shared and not second.blocks
+    scheduler.finish(first)
+    assert allocator.refs[shared] == 0 and shared in allocator.cached_free
+    step = scheduler.schedule()  # second comes back through the cache: its own full blocks were cached too
+    assert step[0].seq is second and step[0].start >= 4
+    assert second.blocks[0] == shared and allocator.refs[shared] == 1

@@ -12,6 +12,7 @@ page of one head as ``block_size`` rows of head_dim.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import mmap
 from dataclasses import dataclass
@@ -75,11 +76,29 @@ class KVCache:
 
 
 class BlockAllocator:
-    """Free block ids; a sequence's table grows one block at a time and is freed whole."""
+    """The cache's blocks: a sequence's table grows one block at a time and is released whole; with prefix caching,
+    a full block is also known by the hash of its tokens and every token before them, so another sequence with
+    the same prefix takes it instead of computing it again.
 
-    def __init__(self, spec: KVCacheSpec) -> None:
+    Blocks hold a count of the tables they are in. A released block that holds a cached prefix stays cached while
+    it waits, unused, to be handed out again: blocks that never held one go first, then cached ones, least
+    recently released first (a sequence's tail before its head, which more prompts share).
+    """
+
+    def __init__(self, spec: KVCacheSpec, prefix_caching: bool = False) -> None:
         self.block_size = spec.block_size
-        self.free: list[int] = list(range(spec.blocks - 1, NULL_BLOCK, -1))  # pop() hands out low ids first
+        self.prefix_caching = prefix_caching
+        self.plain: list[int] = list(range(spec.blocks - 1, NULL_BLOCK, -1))  # pop() hands out low ids first
+        self.cached_free: dict[int, None] = {}  # unused blocks still holding a cached prefix, oldest first
+        self.refs = [0] * spec.blocks
+        self.hash_of: dict[int, bytes] = {}  # block -> the prefix hash it holds
+        self.block_of: dict[bytes, int] = {}  # prefix hash -> the block holding it
+        self.queried_tokens = self.hit_tokens = 0  # vLLM's prefix_cache_queries / prefix_cache_hits
+
+    @property
+    def free(self) -> int:
+        """Blocks that can be handed out (cached ones included: they are taken over when plain ones run out)."""
+        return len(self.plain) + len(self.cached_free)
 
     def needed(self, table: list[int], tokens: int) -> int:
         """Blocks to add so that ``table`` holds ``tokens`` positions."""
@@ -88,15 +107,58 @@ class BlockAllocator:
     def grow(self, table: list[int], tokens: int) -> bool:
         """Extend ``table`` in place to hold ``tokens`` positions; False (nothing taken) if blocks are short."""
         n = self.needed(table, tokens)
-        if n > len(self.free):
+        if n > self.free:
             return False
         for _ in range(n):
-            table.append(self.free.pop())
+            if self.plain:
+                block = self.plain.pop()
+            else:  # the least recently released cached block forgets its prefix
+                block = next(iter(self.cached_free))
+                del self.cached_free[block]
+                del self.block_of[self.hash_of.pop(block)]
+            self.refs[block] = 1
+            table.append(block)
         return True
 
     def release(self, table: list[int]) -> None:
-        self.free.extend(reversed(table))
+        for block in reversed(table):  # the tail first: it goes before the head when blocks run short
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                if block in self.hash_of:
+                    self.cached_free[block] = None
+                else:
+                    self.plain.append(block)
         table.clear()
+
+    def cached_prefix(self, hashes: list[bytes]) -> list[int]:
+        """The blocks that hold the longest cached prefix of ``hashes`` (a sequence's block hashes, in order)."""
+        blocks = []
+        for h in hashes:
+            block = self.block_of.get(h)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def share(self, table: list[int], blocks: list[int]) -> None:
+        """Put cached ``blocks`` (from cached_prefix) in an empty ``table``: counted, no longer free."""
+        for block in blocks:
+            if self.refs[block] == 0:
+                del self.cached_free[block]
+            self.refs[block] += 1
+            table.append(block)
+
+    def remember(self, block: int, prefix_hash: bytes) -> None:
+        """``block`` is full and holds the prefix ``prefix_hash``; the first block to hold a prefix keeps it."""
+        if prefix_hash not in self.block_of and block not in self.hash_of:
+            self.block_of[prefix_hash] = block
+            self.hash_of[block] = prefix_hash
+
+
+def block_hash(parent: bytes, tokens: list[int]) -> bytes:
+    """The hash of a full block: its tokens and, through ``parent`` (the previous block's hash, b"" for the first),
+    every token before them. 128 bits of BLAKE2b: a collision would hand a sequence another's keys and values."""
+    return hashlib.blake2b(parent + np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).digest()
 
 
 def slots_of(table: list[int], start: int, end: int, block_size: int) -> np.ndarray:

@@ -22,7 +22,7 @@ from cache.processors.native import compute_dtype
 from common.device import resolve_device
 from common.events import log_event
 from engine.config import EngineConfig
-from engine.grammar import GrammarState, allocate_bitmask, apply_bitmask
+from engine.grammar import GrammarState, TokenMasks
 from engine.native.kv_cache import BlockAllocator, KVCache, KVCacheSpec
 from engine.native.model import ModelArgs, Transformer
 from engine.native.model_runner import ModelRunner
@@ -46,7 +46,7 @@ class LLMEngine(EngineThread[Sequence]):
         self.config = config
         self.startup_phases: dict[str, float] = {}
         self.stats = StepStats(self)
-        self._bitmask: torch.Tensor | None = None  # the grammars' token masks, one row per sequence sampled in a step
+        self._masks: TokenMasks | None = None  # the grammars' token masks, one row per sequence sampled in a step
         self._masker: ThreadPoolExecutor | None = None  # fills them while the forward runs
         with self._phase("device_init"):
             self.device = resolve_device(config.device)
@@ -70,7 +70,8 @@ class LLMEngine(EngineThread[Sequence]):
             spec = KVCacheSpec.plan(self.args.shape, self.dtype, config.max_num_seqs, self.max_model_len,
                                     config.kv_cache_bytes, config.block_size)  # fmt: skip
             self.kv = KVCache(self.args.shape, spec, self.dtype, self.device)
-        self.scheduler = Scheduler(BlockAllocator(spec), config.max_num_seqs, config.max_num_batched_tokens)
+        allocator = BlockAllocator(spec, prefix_caching=config.enable_prefix_caching)
+        self.scheduler = Scheduler(allocator, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                   self.max_model_len, config.cuda_graphs)  # fmt: skip
         if self.runner.use_graphs:
@@ -136,7 +137,7 @@ class LLMEngine(EngineThread[Sequence]):
 
     @property
     def kv_blocks_free(self) -> int:
-        return len(self.scheduler.allocator.free)
+        return self.scheduler.allocator.free
 
     @property
     def kv_blocks_total(self) -> int:
@@ -145,6 +146,11 @@ class LLMEngine(EngineThread[Sequence]):
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.preemptions
+
+    @property
+    def prefix_cache(self) -> tuple[int, int]:
+        allocator = self.scheduler.allocator
+        return allocator.queried_tokens, allocator.hit_tokens
 
     @property
     def num_running(self) -> int:
@@ -198,8 +204,7 @@ class LLMEngine(EngineThread[Sequence]):
         out = self.runner.run(step, scored)
         for i, logits in out.all_logits.items():
             _collect_prompt_logprobs(step[i], logits)
-        for work in step:
-            work.seq.computed = work.start + work.count
+        self.scheduler.computed(step)
         for work in step:
             if work.samples and not work.seq.params.max_tokens:  # a prompt scored, nothing generated
                 self._finish(work.seq, TokenEvent(None, "length", prompt_logprobs=_prompt_logprobs(work.seq)))
@@ -214,14 +219,13 @@ class LLMEngine(EngineThread[Sequence]):
         constrained = [j for j, s in enumerate(seqs) if s.grammar is not None]
         if not constrained:
             return None
-        if self._bitmask is None:
-            self._bitmask = allocate_bitmask(self.config.max_num_seqs, self.args.shape.vocab)
+        if self._masks is None:
+            self._masks = TokenMasks(self.config.max_num_seqs)
             self._masker = ThreadPoolExecutor(1, thread_name_prefix="warmgate-grammar")
-        bitmask = self._bitmask
+        masks = self._masks
 
         def fill() -> list[int]:
-            for j in constrained:
-                seqs[j].grammar.fill(bitmask, j)  # type: ignore[union-attr]
+            masks.fill([seqs[j].grammar for j in constrained], constrained)  # type: ignore[misc]
             return constrained
 
         assert self._masker is not None
@@ -231,8 +235,8 @@ class LLMEngine(EngineThread[Sequence]):
                  masks: Future[list[int]] | None = None) -> None:  # fmt: skip
         params, outputs = [s.params for s in seqs], [s.output for s in seqs]
         if masks is not None:  # what their grammars allow: the logits of the rest become -inf
-            assert self._bitmask is not None
-            apply_bitmask(logits, self._bitmask, masks.result())
+            assert self._masks is not None
+            self._masks.apply(logits, masks.result())
             argmax = None
         sampled = sample(logits, params, outputs, [s.generator for s in seqs], argmax)
         for seq, token, logprobs in zip(seqs, sampled.tokens, sampled.logprobs, strict=True):
@@ -277,6 +281,7 @@ class StepStats:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
+        self.queried = self.hit = 0  # the allocator's prefix-cache counters at the last engine_stats line
         self._reset(time.perf_counter())
 
     def _reset(self, now: float) -> None:
@@ -303,11 +308,14 @@ class StepStats:
         self.longest = max(self.longest, took)
         if now - self.since >= STATS_INTERVAL and self.steps:
             window = now - self.since
-            scheduler = self.engine.scheduler
+            scheduler, allocator = self.engine.scheduler, self.engine.scheduler.allocator
             total = self.engine.kv.spec.blocks - 1
+            queried, hit = allocator.queried_tokens - self.queried, allocator.hit_tokens - self.hit
+            self.queried, self.hit = allocator.queried_tokens, allocator.hit_tokens
             log_event(log, "engine_stats", prompt_tok_s=round(self.prompt_tokens / window),
                       gen_tok_s=round(self.generated / window), running=len(scheduler.running),
-                      waiting=len(scheduler.waiting), kv_usage=1 - len(scheduler.allocator.free) / total,
+                      waiting=len(scheduler.waiting), kv_usage=1 - allocator.free / total,
+                      prefix_hit_rate=round(hit / queried, 3) if queried else 0.0,
                       steps=self.steps, step_ms_mean=1e3 * self.busy / self.steps, step_ms_max=1e3 * self.longest,
                       busy=self.busy / window, preemptions=scheduler.preemptions)  # fmt: skip
             self._reset(now)

@@ -7,6 +7,12 @@ blocks as it grows; when none are free, the most recently admitted running seque
 preempted: its blocks are freed and it waits again at the head of the queue, to be recomputed
 (prompt and the tokens generated so far) when blocks return. Its output so far is kept, so the
 client sees no difference.
+
+With prefix caching (engine/native/kv_cache.py), a sequence admitted takes the cached blocks of its longest
+cached prefix of full blocks and computes only the rest (at least its last token, whose logits it samples
+from). A waiting sequence whose next block another running sequence is computing right now waits for it
+instead of computing it too: the n choices of one prompt, or a burst of requests with one system prompt,
+prefill the shared part once.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.native.kv_cache import BlockAllocator
+from engine.native.kv_cache import BlockAllocator, block_hash
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -40,6 +46,7 @@ class Sequence:
     preemptions: int = 0
     grammar: GrammarState | None = None  # where the answer is in its grammar (structured outputs)
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # collected by position while it is prefilled
+    hashes: list[bytes] = field(default_factory=list)  # of its full blocks so far, each chained to the one before
 
     @property
     def length(self) -> int:
@@ -57,6 +64,13 @@ class Sequence:
         if start >= n:
             return self.output[start - n : end - n]
         return self.prompt[start:] + self.output[: end - n]
+
+    def block_hashes(self, blocks: int, block_size: int) -> list[bytes]:
+        """Its prefix hashes, at least those of its first ``blocks`` full blocks (each computed once)."""
+        for i in range(len(self.hashes), blocks):
+            tokens = self.token_slice(i * block_size, (i + 1) * block_size)
+            self.hashes.append(block_hash(self.hashes[-1] if self.hashes else b"", tokens))
+        return self.hashes
 
 
 @dataclass(frozen=True)
@@ -87,7 +101,7 @@ class Scheduler:
 
     def schedule(self) -> list[Scheduled]:
         """This step's work: decode tokens and prompt chunks within the token budget, blocks allocated."""
-        budget = self.max_batched_tokens
+        budget, preempted = self.max_batched_tokens, self.preemptions
         step: list[Scheduled] = []
         i = 0
         while i < len(self.running) and budget > 0:  # victims leave from the end of the list
@@ -102,16 +116,72 @@ class Scheduler:
                 step.append(Scheduled(seq, seq.computed, count))
                 budget -= count
                 i += 1
+        if self.preemptions > preempted:  # blocks ran short: no one new comes in (nor does a victim come back)
+            return step
+        in_flight = self._in_flight() if self.allocator.prefix_caching and self.waiting else set()
+        deferred: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            cached = self._cached_prefix(seq)
+            if cached is not None and self._next_in_flight(seq, len(cached), in_flight):
+                deferred.append(self.waiting.popleft())  # its prefix is being computed: it takes it next step
+                continue
+            if cached:
+                self.allocator.share(seq.blocks, cached)
+                seq.computed = len(cached) * self.allocator.block_size
             count = min(seq.length - seq.computed, budget)
             if not self.allocator.grow(seq.blocks, seq.computed + count):
+                self.allocator.release(seq.blocks)
+                seq.computed = 0
                 break
+            if cached is not None:
+                self.allocator.queried_tokens += seq.length
+                self.allocator.hit_tokens += seq.computed
+                in_flight.update(self._computing(seq))
             self.waiting.popleft()
             self.running.append(seq)
             step.append(Scheduled(seq, seq.computed, count))
             budget -= count
+        self.waiting.extendleft(reversed(deferred))  # in their order, still ahead of the rest
         return step
+
+    def computed(self, step: list[Scheduled]) -> None:
+        """The step ran: its tokens are in the cache, and the blocks it filled are cached prefixes."""
+        size = self.allocator.block_size
+        for work in step:
+            seq = work.seq
+            seq.computed = work.start + work.count
+            first, full = work.start // size, seq.computed // size
+            if full > first and self.allocator.prefix_caching:  # a decode step fills one block in block_size
+                hashes = seq.block_hashes(full, size)
+                for i in range(first, full):
+                    self.allocator.remember(seq.blocks[i], hashes[i])
+
+    def _cached_prefix(self, seq: Sequence) -> list[int] | None:
+        """The cached blocks a sequence about to be admitted can take (None: it takes none, it scores its prompt,
+        whose every position's logits it needs, or it still holds blocks); its last token is always computed."""
+        if not self.allocator.prefix_caching or seq.blocks or seq.prompt_logprobs is not None:
+            return None
+        usable = self._usable(seq)
+        return self.allocator.cached_prefix(seq.block_hashes(usable, self.allocator.block_size)[:usable])
+
+    def _usable(self, seq: Sequence) -> int:
+        """Full blocks a sequence could take from the cache: all but its last token's."""
+        return (seq.length - 1) // self.allocator.block_size
+
+    def _next_in_flight(self, seq: Sequence, cached: int, in_flight: set[bytes]) -> bool:
+        """The first block the sequence could take but did not find cached is one a running sequence computes."""
+        return cached < self._usable(seq) and seq.hashes[cached] in in_flight
+
+    def _computing(self, seq: Sequence) -> list[bytes]:
+        """Hashes of the full blocks of ``seq`` it has yet to compute."""
+        size = self.allocator.block_size
+        full = seq.length // size
+        return seq.block_hashes(full, size)[seq.computed // size : full]
+
+    def _in_flight(self) -> set[bytes]:
+        """Hashes of the full blocks the running sequences have yet to compute (their prompts, mostly)."""
+        return {h for seq in self.running if seq.length - seq.computed > 1 for h in self._computing(seq)}
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

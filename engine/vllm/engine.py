@@ -104,6 +104,7 @@ class VllmEngine(EngineThread[_Pending]):
             model_loader_extra_config={"cache_socket": str(config.cache_socket or ""), "weights": config.weights,
                                        "engine_name": f"vllm-engine-{os.getpid()}"},
             disable_log_stats=True,
+            enable_prefix_caching=config.enable_prefix_caching,
             logprobs_mode="processed_logprobs",  # of the distribution sampled from, as the native engine reports
             logits_processors=[grammar_processor()],  # structured outputs with warmgate's grammars (resumable)
             **({"kv_cache_memory_bytes": kv_bytes} if kv_bytes else {}),
@@ -187,6 +188,10 @@ class VllmEngine(EngineThread[_Pending]):
     @property
     def num_preemptions(self) -> int:
         return 0  # vLLM counts its preemptions in its own metrics, which this API does not relay
+
+    @property
+    def prefix_cache(self) -> tuple[int, int]:
+        return 0, 0  # the same: vLLM's prefix-cache counters stay in its own metrics
 
     @property
     def kv_blocks_free(self) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from engine.grammar import Grammar, GrammarState, allocate_bitmask, apply_bitmask
+from engine.grammar import Grammar, GrammarState, TokenMasks
 
 if TYPE_CHECKING:
     import torch
@@ -52,8 +52,7 @@ def processor() -> type:
     class GrammarLogitsProcessor(LogitsProcessor):  # type: ignore[misc]
         def __init__(self, vllm_config: Any, device: Any, is_pin_memory: bool) -> None:
             self._rows: dict[int, _Following] = {}  # batch index -> the request there, if it has a grammar
-            self._vocab = vllm_config.model_config.get_vocab_size()
-            self._bitmask = allocate_bitmask(vllm_config.scheduler_config.max_num_seqs, self._vocab)
+            self._masks = TokenMasks(vllm_config.scheduler_config.max_num_seqs)
 
         def is_argmax_invariant(self) -> bool:
             return False
@@ -83,9 +82,8 @@ def processor() -> type:
             if not self._rows:
                 return logits
             rows = sorted(self._rows)
-            for row in rows:
-                self._rows[row].state.fill(self._bitmask, row)
-            apply_bitmask(logits, self._bitmask, rows)
+            self._masks.fill([self._rows[row].state for row in rows], rows)
+            self._masks.apply(logits, rows)
             return logits
 
     return GrammarLogitsProcessor
