@@ -8,6 +8,7 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import openai
 import pytest
 import torch
@@ -387,6 +388,26 @@ def test_n_choices_and_prompt_lists_streamed_and_whole(gateway: Gateway) -> None
     assert streamed == {c.index: c.text for c in lists.choices}
     same = client.completions.create(model="demo", prompt="Hi", n=2, best_of=2, max_tokens=2)
     assert len(same.choices) == 2
+
+
+def _prefix_cache_hits(gateway: Gateway) -> int:
+    """The active engine's prefix-cache hits (tokens), from its /health."""
+    status = gateway.status()
+    engine = next(e for e in status["engines"] if e["id"] == status["active"])
+    with httpx.Client(transport=httpx.HTTPTransport(uds=engine["socket"]), base_url="http://engine") as client:
+        return int(client.get("/health").json()["prefix_cache_hits"])
+
+
+def test_n_choices_prefill_their_prompt_once(gateway: Gateway) -> None:
+    """The choices of one prompt share its KV blocks: choices after the first take every full block of the prompt
+    from the prefix cache (they waited while the first computed them) instead of computing it again."""
+    client = _client(gateway)
+    prompt = " ".join(f"w{i}" for i in range(60))  # no earlier request shares its blocks
+    before = _prefix_cache_hits(gateway)
+    answer = client.completions.create(model="demo", prompt=prompt, n=4, max_tokens=2, temperature=0)
+    assert answer.usage is not None and len(answer.choices) == 4
+    full = (answer.usage.prompt_tokens - 1) // 16 * 16  # the demo's blocks hold 16 positions
+    assert full >= 64 and _prefix_cache_hits(gateway) - before == 3 * full
 
 
 @pytest.mark.parametrize(("fields", "words"), [
