@@ -43,7 +43,7 @@ def prompt_ids(tokenizer) -> list[list[int]]:
 
 
 def _engine(path: Path, **kw) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=path, max_num_seqs=8, max_model_len=256, **kw))
+    return LLMEngine(EngineConfig(**{"model": path, "max_num_seqs": 8, "max_model_len": 256, **kw}))
 
 
 def _hf_greedy(model, ids: list[int], n: int = 32) -> list[int]:
@@ -152,6 +152,13 @@ def test_prefix_caching_changes_no_greedy_token(demo_path, tokenizer) -> None:
     assert allocator.hit_tokens >= (len(prompts) - 1) * (len(system) // 16 * 16)
     assert on.generate(prompts[::-1], greedy) == expected[::-1]  # later: every prefix from the cache
     assert on.kv_blocks_free == on.kv_blocks_total
+    # A cache of 10 blocks (160 positions) for 4 sequences of ~75 tokens: sequences are preempted while they share
+    # blocks, and cached prefixes are evicted for others; the answers stay the same.
+    tight = _engine(path, max_num_seqs=4, max_model_len=128, kv_cache_bytes=11 * 16 * on.kv.spec.bytes_per_token)
+    assert tight.kv_blocks_total == 10
+    assert tight.generate(prompts, greedy) == expected
+    assert tight.num_preemptions > 0 and tight.scheduler.allocator.hit_tokens > 0
+    assert tight.kv_blocks_free == tight.kv_blocks_total
 
 
 def test_stops_on_eos_and_max_tokens(demo_path, tokenizer) -> None:
