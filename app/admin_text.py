@@ -49,6 +49,8 @@ def restart_text(report: dict[str, Any]) -> str:
         head = f"ok  {what}  engine {report.get('engine')}" + (f" ({how})" if how else "")
         if total is not None:
             head += f"  total {_seconds(total)}"
+        if report.get("drained") is False:  # answered at the switch
+            head += "\n    the old engine drains on (warmgate status shows it)"
     else:
         head = f"FAILED  {what}: {report.get('error') or 'no reason given'}"
     if report.get("overrides"):  # engine settings of an admin restart, kept until the next reload

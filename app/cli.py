@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
             admin.add_argument("--strategy", choices=("overlap", "replace"),
                                help="overlap: the new engine first, then drain the old; replace: drain first "
                                "(default: the config's restart.strategy)")  # fmt: skip
+            admin.add_argument("--wait", choices=("switch", "drained"), default="switch",
+                               help="answer once the new engine takes traffic (switch, the default; the old one "
+                               "drains on, as `warmgate status` shows) or once the old one has drained")  # fmt: skip
         admin.set_defaults(run=_admin, admin_command=name)
 
     for name, help_text in (("stop", "stop a gateway and every process it runs (also one whose `warmgate serve` "
@@ -250,6 +253,8 @@ def _admin(args: argparse.Namespace) -> None:
             response = httpx.get(f"{url}/admin/status", headers=headers, timeout=30)
         else:
             body = {"strategy": args.strategy} if getattr(args, "strategy", None) else {}
+            if getattr(args, "wait", "switch") != "switch":
+                body["wait"] = args.wait
             response = httpx.post(f"{url}/admin/{args.admin_command}", json=body, headers=headers, timeout=None)
     except httpx.TransportError as exc:
         raise ConnectionError(f"no gateway at {url}: {exc}") from None

@@ -222,8 +222,11 @@ def test_no_dropped_requests_across_restarts_reload_and_crashes(gateway: Gateway
     for report in reports:
         # A promoted standby started earlier: its report has no start-up phases of its own.
         started = () if report["path"] == "standby" else ("spawn", "init", "weight_load", "warmup")
-        for phase in (*started, "probe", "switch", "drain", "total"):
+        # `replace` drains the old engine before the switch; `overlap` answers at the switch, the drain goes on.
+        drained = ("drain",) if report["strategy"] == "replace" else ()
+        for phase in (*started, "probe", "switch", *drained, "total"):
             assert phase in report["phases"], (phase, report)
+        assert report["drained"] is (None if drained else False), report
     assert {r["path"] for r in reports} <= {"standby", "fork"}, "every new engine was forked or promoted"
     # Requests in flight on a crashed engine are resumed on its replacement: none fails, no stream is cut.
     assert outcomes["failed"] == 0, load.errors[:5]
@@ -422,10 +425,12 @@ def test_status_restart_and_reload_commands_print_summaries_and_json(gateway: Ga
     for phase in last["phases"]:  # one line per phase, its duration beside it; the total on the restart's line
         assert phase == "total" or any(line.split()[0] == phase for line in summary.splitlines() if line), phase
 
-    restart = cli("restart", "--strategy", "overlap")
+    restart = cli("restart", "--strategy", "overlap", "--wait", "drained")
     head, *phases = restart.strip().splitlines()
     assert head.startswith("ok  ") and "  admin  overlap  engine " in head and " total " in head, restart
     assert {line.split()[0] for line in phases} >= {"probe", "switch", "drain"}, restart
+    quick = cli("restart", "--strategy", "overlap")  # the default: the answer at the switch, the drain goes on
+    assert "the old engine drains on" in quick and "drain " not in quick.replace("drains on", ""), quick
     reload = json.loads(cli("reload", "--json"))  # reload's text: test_admin_text.py
     assert reload["changed"] is None and reload["ok"] and reload["applied"] == [] and reload["pending"] == []
 

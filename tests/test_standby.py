@@ -49,8 +49,10 @@ def _complete(gateway: Gateway) -> str:
 def test_a_restart_promotes_the_standby_and_a_new_one_is_built(gateway: Gateway) -> None:
     standby = _standby(gateway)
     before = _complete(gateway)
-    report = gateway.admin("POST", "/admin/restart").json()
+    report = gateway.admin("POST", "/admin/restart", json={"wait": "drained"}).json()
     assert report["ok"] and report["path"] == "standby" and report["engine"] == standby, report
+    assert report["drained"] is True and "drain" in report["phases"], report
+    assert "draining" not in {e["state"] for e in gateway.status()["engines"]}
     assert "spawn" not in report["phases"], "a promotion starts nothing"
     assert gateway.status()["active"] == standby
     assert _complete(gateway) == before
@@ -62,6 +64,35 @@ def test_a_restart_promotes_the_standby_and_a_new_one_is_built(gateway: Gateway)
     for engine in engines:  # the status page shows each engine's memory: its own, the weights are the cache's
         assert 0 < engine["private_memory_bytes"] < 538_060_032, engine
         assert engine["device_memory_bytes"] == 0  # CPU
+
+
+def test_a_restart_answers_at_the_switch_while_the_old_engine_drains(gateway: Gateway) -> None:
+    """By default an admin restart answers once the new engine takes traffic: a long stream on the old engine
+    goes on after the answer (the old engine shown draining), then ends whole; the restart's entry in the status
+    gets its drain phase when the drain ends."""
+    old = gateway.status()["active"]
+    _standby(gateway)
+    body = {"model": "demo", "prompt": "Once upon a time", "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    chunks: list[str] = []
+
+    def stream() -> None:
+        with httpx.stream("POST", f"{gateway.url}/v1/completions", json=body, timeout=300) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    chunks.append(line)
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    wait_for(lambda: len(chunks) >= 3, 60, "the stream did not start")
+    report = gateway.admin("POST", "/admin/restart").json()
+    assert report["ok"] and report["drained"] is False and "drain" not in report["phases"], report
+    assert {e["id"]: e["state"] for e in gateway.status()["engines"]}[old] == "draining"
+    reader.join(timeout=300)
+    assert chunks[-1] == "data: [DONE]" and len(chunks) > 200, chunks[-3:]
+    wait_for(lambda: all(e["id"] != old for e in gateway.status()["engines"]), 60, "the old engine stayed")
+    listed = next(r for r in gateway.status()["restarts"] if r["engine"] == report["engine"])
+    assert listed["drained"] is True and "drain" in listed["phases"], listed
 
 
 def _gateway_children(gateway: Gateway) -> set[int]:

@@ -122,6 +122,7 @@ class RestartReport:
     error: str | None = None
     at: float = field(default_factory=time.time)
     switched_at: float | None = None  # wall clock when the new engine took traffic
+    drained: bool | None = None  # the old engine drained after the switch (None: none did: replace drains first)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -135,4 +136,5 @@ class RestartReport:
             "error": self.error,
             "at": self.at,
             "switched_at": self.switched_at,
+            "drained": self.drained,
         }

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import time
@@ -78,6 +79,7 @@ class RestartRequest:
     strategy: str
     reason: str
     done: asyncio.Future[RestartReport] | None = None
+    at_switch: bool = False  # answer once the new engine takes traffic; the old one drains on in the background
 
 
 @dataclass(frozen=True)
@@ -226,13 +228,17 @@ class Reconciler:
         self._ids = itertools.count(max((e.id for e, _ in engines), default=0) + 1)
         self._routing_key = self.routing().key()  # the relays serve with this routing already
 
-    async def restart(self, config: EngineConfig | None, strategy: str, reason: str) -> RestartReport:
-        """Want an active engine started (or promoted) for this request with ``config`` (none: the current one)."""
+    async def restart(self, config: EngineConfig | None, strategy: str, reason: str,
+                      at_switch: bool = False) -> RestartReport:  # fmt: skip
+        """Want an active engine started (or promoted) for this request with ``config`` (none: the current one).
+        The report comes once the old engine has drained, or with ``at_switch`` once the new one takes traffic
+        (``drained`` false: the old one drains on, shown as draining in the status, and the next restart waits
+        for it)."""
         wanted = config or self.desired
         if wanted is None:
             raise ValueError("no engine config yet: the first engine has not started")
         done: asyncio.Future[RestartReport] = asyncio.get_running_loop().create_future()
-        self.post(RestartRequest(wanted, strategy, reason, done))
+        self.post(RestartRequest(wanted, strategy, reason, done, at_switch))
         return await done
 
     def post(self, event: Event) -> None:
@@ -399,13 +405,21 @@ class Reconciler:
         self._recovery.succeeded()
         if old is not None and old is not engine:
             r.phase = Phase.FINISH
+            report.drained = False
+            self.reports.append(report)  # listed from the switch on; the drain's phase is added when it ends
+            if r.request.at_switch and r.request.done is not None and not r.request.done.done():
+                answer = dataclasses.replace(report, phases={**report.phases, "total": time.perf_counter() - r.began})
+                r.request.done.set_result(answer)
         else:
             self._complete(r)
 
     def _complete(self, r: Restart) -> None:
         report = r.report
         report.phases["total"] = time.perf_counter() - r.began
-        self.reports.append(report)
+        if report.drained is False:  # listed at the switch
+            report.drained = True
+        else:
+            self.reports.append(report)
         self.metrics.restart_done(report)
         (log_event if report.ok else log_warning)(log, "restart", reason=report.reason,
                   strategy=report.strategy, ok=report.ok, engine=report.engine, weight_source=report.weight_source,

@@ -45,6 +45,9 @@ class AdminRestart(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     strategy: Literal["overlap", "replace"] | None = None  # none: the configured one
+    # "switch": answer once the new engine takes traffic (the old one drains on, in /admin/status); "drained":
+    # once the old engine has drained and stopped as well.
+    wait: Literal["switch", "drained"] = "switch"
     # Engine settings over the config file's, checked like it; they stay until a reload (or other overrides).
     # None: the ones in force (an earlier restart's, or none).
     engine: dict[str, Any] | None = None
@@ -238,7 +241,7 @@ class Supervisor:
                 "file and reload (a cache for the new settings is built first), nothing restarted"
             )
         strategy = request.strategy or self.settings.restart.strategy
-        report = await self.reconciler.restart(config, strategy, reason="admin")
+        report = await self.reconciler.restart(config, strategy, reason="admin", at_switch=request.wait == "switch")
         if report.ok:
             self.engine_overrides = dict(overrides)
         return {**report.to_json(), "overrides": self.engine_overrides}
