@@ -134,7 +134,6 @@ class GrammarState:
 
         self.matcher = xgrammar.GrammarMatcher(grammar.compiled)
         self.grammar = grammar
-        self._stop_ids = grammar.stop_ids
         self.finished = False  # the answer is complete (a stop token was accepted at its end)
         for token in generated or ():  # a resumed request: replay what the failed engine generated
             if not self.accept(token):
@@ -143,9 +142,9 @@ class GrammarState:
     def accept(self, token: int) -> bool:
         """Advance by the sampled token; False if the grammar does not allow it (the mask was not applied)."""
         if self.finished:
-            return token in self._stop_ids
+            return token in self.grammar.stop_ids
         accepted = bool(self.matcher.accept_token(token))
-        if accepted and token in self._stop_ids:  # only a stop token ends an answer
+        if accepted and token in self.grammar.stop_ids:  # only a stop token ends an answer
             self.finished = bool(self.matcher.is_terminated())
         return accepted
 
@@ -160,11 +159,12 @@ class TokenMasks:
     its stop tokens only. Filled one matcher at a time, 64 rows deep inside long JSON strings took 85 ms a step on
     the H200's host, ten times the decode step they ran beside."""
 
-    def __init__(self, rows: int, threads: int | None = None) -> None:
+    def __init__(self, rows: int, pinned: bool, threads: int | None = None) -> None:
         xgrammar = load_xgrammar()
 
         self._xgr = xgrammar
         self._rows = rows
+        self._pinned = pinned  # the filled masks in pinned memory: their copy to the GPU waits for nothing
         self.bitmask: torch.Tensor | None = None  # sized by the first grammar's vocabulary (one per engine)
         self.vocab_size = 0
         self._batch = xgrammar.BatchGrammarMatcher(threads or "auto")
@@ -175,6 +175,8 @@ class TokenMasks:
         if self.bitmask is None and states:
             self.vocab_size = states[0].grammar.vocab_size
             self.bitmask = self._xgr.allocate_token_bitmask(self._rows, self.vocab_size)
+            if self._pinned:
+                self.bitmask = self.bitmask.pin_memory()
         assert self.bitmask is not None
         open_states, open_rows = [], []
         for state, row in zip(states, rows, strict=True):
@@ -190,9 +192,8 @@ class TokenMasks:
         """Set to -inf, in place, what their grammars forbid in the logits of ``rows`` (filled by ``fill``).
 
         One copy and one kernel: the filled words go into a mask as wide as the model's vocabulary, whose words past
-        the tokenizer's stay zero (a padding id is never allowed). On CUDA the filled masks live in pinned memory,
-        so the copy waits for nothing: a copy from pageable memory and the padding ids masked apart cost the
-        engine's thread two waits for the GPU per step."""
+        the tokenizer's stay zero (a padding id is never allowed). A copy from pageable memory and the padding ids
+        masked apart cost the engine's thread two waits for the GPU per step."""
         import torch
 
         assert self.bitmask is not None
@@ -200,8 +201,6 @@ class TokenMasks:
         if self._on_device is None:
             words = -(-logits.shape[1] // 32)
             self._on_device = torch.zeros(self._rows, words, dtype=torch.int32, device=logits.device)
-            if logits.is_cuda:
-                self.bitmask = self.bitmask.pin_memory()  # this step's masks with it; the next fill writes there
         self._on_device[:n, : self.bitmask.shape[1]].copy_(self.bitmask[:n], non_blocking=True)
         self._xgr.apply_token_bitmask_inplace(logits, self._on_device[:n], vocab_size=logits.shape[1], indices=rows)
 

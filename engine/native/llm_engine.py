@@ -220,7 +220,7 @@ class LLMEngine(EngineThread[Sequence]):
         if not constrained:
             return None
         if self._masks is None:
-            self._masks = TokenMasks(self.config.max_num_seqs)
+            self._masks = TokenMasks(self.config.max_num_seqs, pinned=self.device.type == "cuda")
             self._masker = ThreadPoolExecutor(1, thread_name_prefix="warmgate-grammar")
         masks = self._masks
 

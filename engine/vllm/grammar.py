@@ -52,7 +52,7 @@ def processor() -> type:
     class GrammarLogitsProcessor(LogitsProcessor):  # type: ignore[misc]
         def __init__(self, vllm_config: Any, device: Any, is_pin_memory: bool) -> None:
             self._rows: dict[int, _Following] = {}  # batch index -> the request there, if it has a grammar
-            self._masks = TokenMasks(vllm_config.scheduler_config.max_num_seqs)
+            self._masks = TokenMasks(vllm_config.scheduler_config.max_num_seqs, pinned=is_pin_memory)
 
         def is_argmax_invariant(self) -> bool:
             return False
