@@ -4,13 +4,16 @@ playing the supervisor: it publishes the tables and records the failures the rel
 
 What it shows, through real processes and sockets: a draining engine's 503 moves a request to the next engine
 without using up a resume; an engine that fails is reported and its request resumed once the table moves; the
-relays together never hold more requests at an engine than its capacity (plus at most one per relay in a race).
+relays together never hold more requests at an engine than its capacity (plus at most one per relay in a race);
+a relay that drains loses no request of clients that keep their connections alive.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -181,3 +184,46 @@ async def test_the_relays_together_hold_no_more_than_the_engines_capacity(tmp_pa
         assert max(active) >= capacity and max(active) <= capacity + 1, sorted(active)[-5:]
     finally:
         await gateway.relays.stop()
+
+
+async def test_relays_that_drain_lose_no_request_of_clients_that_keep_their_connections(tmp_path: Path) -> None:
+    """Clients in tight loops on keep-alive connections (as an OpenAI client in a loop) while each relay in turn
+    is told to stop (SIGTERM: its drain, as an upgrade does) and is started again: every request is answered.
+    A relay that closed its idle connections at once reset the next request of a client that was sending it."""
+    stub = Stub(tmp_path, "fast", step_ms=0)
+    await stub.ready()
+    gateway = Gateway(tmp_path, resumes=0)
+    await gateway.relays.start(gateway.table(EngineRoute(id=1, socket=str(stub.socket), capacity=64)))
+    outcomes: list[int | str] = []
+    stopping = asyncio.Event()
+
+    async def client(index: int) -> None:
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+            while not stopping.is_set():
+                body = {"prompt": "hi", "max_tokens": 2, "stream": index % 2 == 0}
+                try:
+                    outcomes.append((await http.post("/v1/completions", json=body)).status_code)
+                except httpx.HTTPError as exc:
+                    outcomes.append(f"{type(exc).__name__}: {exc}")
+
+    def serving() -> dict[int, int]:
+        """slot -> pid of the relays connected with the current table."""
+        return {r.index: r.pid for r in gateway.relays.relays.values()
+                if r.writer is not None and r.applied == gateway.generation}  # fmt: skip
+
+    clients = [asyncio.create_task(client(i)) for i in range(8)]
+    try:
+        for _ in range(2):
+            for slot, pid in sorted(serving().items()):
+                served = len(outcomes)
+                os.kill(pid, signal.SIGTERM)
+                async with asyncio.timeout(30):
+                    while serving().get(slot) in (None, pid) or len(outcomes) < served + 50:
+                        await asyncio.sleep(0.05)
+    finally:
+        stopping.set()
+        await asyncio.gather(*clients)
+        await gateway.relays.stop()
+        stub.stop()
+    failed = [o for o in outcomes if o != 200]
+    assert not failed and len(outcomes) > 300, (len(outcomes), failed[:5])

@@ -7,22 +7,20 @@ shares (opened once by the supervisor and inherited, as nginx's workers share th
 It takes its engine table and settings from the supervisor (app/relay/link.py) before it accepts anything,
 and serves on with the last table when the supervisor dies (the next one adopts it). It offers its listening
 socket to a later `warmgate serve` on RUN_DIR/handoff-INDEX.sock (common/handoff.py). SIGTERM stops
-accepting; requests in flight get up to ``drain_timeout`` seconds.
+accepting; requests in flight get up to ``drain_timeout`` seconds, and keep-alive connections are closed without
+racing their clients (app/relay/server.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import logging
 import os
 import signal
 import socket
 import time
-from collections.abc import Generator
 from pathlib import Path
-from typing import Any
 
 from common.events import configure_logging, log_event
 
@@ -43,8 +41,6 @@ def main(control: Path, listen_fd: int, index: int, board: Path, drain_timeout: 
 
 async def _serve(control: Path, listen_fd: int, index: int, board: Path, drain_timeout: float,
                  started: float) -> None:  # fmt: skip
-    import uvicorn
-
     from app.control import Table
     from app.metrics import RelayMetrics
     from app.relay.admission import Admission
@@ -52,6 +48,7 @@ async def _serve(control: Path, listen_fd: int, index: int, board: Path, drain_t
     from app.relay.board import AdmissionBoard
     from app.relay.link import SupervisorLink
     from app.relay.relay import Relay
+    from app.relay.server import server as relay_server
     from app.relay.table import TableView
     from app.relay.upstream import EnginePool
 
@@ -73,10 +70,7 @@ async def _serve(control: Path, listen_fd: int, index: int, board: Path, drain_t
     offering = handoff.offer(offering_path, listener)
     relay = Relay(table, admission, pool, metrics, link.report_failure)
     app = RelayApp(table, relay, link)
-    config = uvicorn.Config(app, http="httptools", log_config=None, log_level="warning", access_log=False,
-                            lifespan="off", timeout_graceful_shutdown=max(1, int(drain_timeout)),
-                            timeout_keep_alive=30)  # fmt: skip
-    server = _server_class()(config)
+    server = relay_server(app, drain_timeout, timeout_keep_alive=30)
     loop = asyncio.get_running_loop()
 
     def stop(reason: str) -> None:
@@ -103,15 +97,3 @@ async def _serve(control: Path, listen_fd: int, index: int, board: Path, drain_t
         pool.close()
         log_event(log, "exit", relay=index, seconds=time.perf_counter() - started)
 
-
-def _server_class() -> Any:
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        """uvicorn without its own signal handlers: the relay decides when to stop."""
-
-        @contextlib.contextmanager
-        def capture_signals(self) -> Generator[None, None, None]:
-            yield
-
-    return Server
