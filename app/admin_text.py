@@ -19,7 +19,8 @@ def status_text(status: dict[str, Any]) -> str:
     """The model, the cache, the gateway's processes, the active engine's settings, a table of engines and the last
     restarts with their phases."""
     lines = [f"model    {status.get('model', MISSING)}", f"cache    {_cache_line(status.get('cache', {}))}",
-             f"gateway  {_gateway_line(status)}", f"engine   {_settings_line(status)}", ""]
+             f"gateway  {_gateway_line(status)}", f"engine   {_settings_line(status)}",
+             f"memory   {_memory_line(status)}", ""]
     engines = status.get("engines", [])
     if engines:
         rows = [[e.get("id"), e.get("state"), e.get("pid"), e.get("weight_source") or MISSING,
@@ -94,6 +95,23 @@ def _settings_line(status: dict[str, Any]) -> str:
     if active is None:
         return "no active engine"
     return " ".join(f"{k}={v}" for k, v in (active.get("settings") or {}).items()) or MISSING
+
+
+def _memory_line(status: dict[str, Any]) -> str:
+    """The active engine's memory plan (engine/memory_plan.py): its sequences and KV cache, and on a GPU the
+    share of the device it was planned from."""
+    active = next((e for e in status.get("engines", []) if e.get("id") == status.get("active")), None)
+    plan = (active or {}).get("memory")
+    if not plan:
+        return MISSING
+    line = (f"max_num_seqs={plan.get('max_num_seqs')} max_model_len={plan.get('max_model_len')} "
+            f"kv cache {_bytes(plan.get('kv_cache_bytes'))} ({plan.get('kv_tokens', MISSING)} tokens)")  # fmt: skip
+    device = plan.get("device")
+    if device:
+        line += (f"; {device['gpu_memory_fraction']} of the device's {_bytes(device['device_bytes'])}: weights "
+                 f"{_bytes(device['weights_bytes'])}{'' if device['shared_weights'] else ' each'}, "
+                 f"{device['kv_share']} engines of {_bytes(device['engine_reserve_bytes'])} + their KV")  # fmt: skip
+    return line
 
 
 def _gateway_line(status: dict[str, Any]) -> str:

@@ -146,7 +146,13 @@ class Settings(BaseSettings):
         """
         engine = EngineSettings.model_validate({**self.engine.model_dump(), **(overrides or {})})
         return EngineConfig(**engine.model_dump(), model=model, served_model_name=self.served_model_name,
-                            cache_socket=cache_socket)  # fmt: skip
+                            cache_socket=cache_socket, kv_share=self.kv_share)  # fmt: skip
+
+    @property
+    def kv_share(self) -> int:
+        """Engines that hold a KV cache on the device at once: the active one, the standbys, and with overlap
+        restarts the one still draining (engine/memory_plan.py divides the device's memory by it)."""
+        return 1 + self.restart.standby + (self.restart.strategy == "overlap")
 
 
 def load_settings(path: Path | None, **overrides: Any) -> Settings:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU runs for the serving engine, on the device machine (torch + Triton there; the rest travels as wheels in .whl/,
 # the demo tokenizer for the synthetic checkpoint in .gputok/: see docs/benchmarks.md).
-#   bash bench/gpu_serving.sh setup probe tests graphs profile engine structured prefix restarts serve  # any subset
+#   bash bench/gpu_serving.sh setup probe tests graphs profile engine structured prefix defaults restarts serve  # any subset
 # The serving acceptance (setup + serve fit one 10-minute device call: ~10 s wheels, ~25 s synth, serve <= 480 s):
 #   bash bench/gpu_serving.sh setup serve        # carry .whl and .gputok; SERVE_ARGS / SERVE_TIMEOUT override
 # Results go to a folder under /tmp/gpuout, packed at the end into $OUT/results.tgz (markdown copied beside it).
@@ -70,6 +70,16 @@ demo._write_marker(t, 'fp8-block', seconds=0.0)"
                 --shared-prefix 2000 --prompt-len 50 --engine-set enable_prefix_caching=$caching 2>&1 | tail -8
               cp $RUN/prefix-$caching/serve_load.md $OUT/prefix-$caching.md 2>/dev/null
               cp $RUN/prefix-$caching/serve_load.json $OUT/prefix-$caching.json 2>/dev/null
+            done ;;
+    defaults) # Issue 24: `warmgate serve --model M` with no engine settings (the memory plan sizes everything) at 64
+            # and 256 streams, then the hand-tuned settings of the other runs at 64 streams. ~3 min each.
+            for tuned in defaults tuned; do
+              if [ $tuned = defaults ]; then SET="--max-num-seqs 0"; LEVELS="--concurrency 64,256 --requests-per-client 8,2"
+              else SET="--max-num-seqs 128 --kv-cache-bytes 20000000000"; LEVELS="--concurrency 64 --requests-per-client 8"; fi
+              timeout -k 30 ${DEFAULTS_TIMEOUT:-270} python3 bench/serve_load.py --model $MODEL --device cuda $SET \
+                --out $RUN/$tuned --deadline-s 210 $LEVELS --direct-concurrency 0 --restart-probe 0 2>&1 | tail -8
+              cp $RUN/$tuned/serve_load.md $OUT/$tuned.md 2>/dev/null
+              cp $RUN/$tuned/serve_load.json $OUT/$tuned.json 2>/dev/null
             done ;;
     restarts) timeout ${RESTARTS_TIMEOUT:-420} python3 bench/restart_paths.py --model $MODEL --device cuda --clients 32 \
               --out $RUN/restarts 2>&1 | tail -30

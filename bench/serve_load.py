@@ -125,8 +125,9 @@ def toml_literal(text: str) -> str:
 
 
 def write_config(args: argparse.Namespace, path: Path) -> str:
-    engine: dict[str, str] = {"device": json.dumps(args.device), "max_num_seqs": str(args.max_num_seqs),
-                              "weights": json.dumps(args.weights)}  # fmt: skip
+    engine: dict[str, str] = {"device": json.dumps(args.device), "weights": json.dumps(args.weights)}
+    if args.max_num_seqs:
+        engine["max_num_seqs"] = str(args.max_num_seqs)
     if args.max_model_len is not None:
         engine["max_model_len"] = str(args.max_model_len)
     if args.kv_cache_bytes is not None:
@@ -676,6 +677,16 @@ def compact(recs: list[dict[str, Any]], t0: float) -> list[dict[str, Any]]:
     return out
 
 
+def gpu_processes() -> dict[int, int] | None:
+    """Device memory (MiB) per process, as nvidia-smi counts it (CUDA context included); None without a GPU."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    smi = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, check=False)  # fmt: skip
+    rows = [line.split(",") for line in smi.stdout.splitlines() if line.count(",") == 1]
+    return {int(pid): int(mib) for pid, mib in rows if pid.strip().isdigit() and mib.strip().isdigit()}
+
+
 def device_name(logs: list[Path], device: str) -> str:
     for path in logs:
         text = path.read_text(errors="replace") if path.exists() else ""
@@ -875,6 +886,8 @@ class Bench:
                   "restarts": restarts, "log_events": events, "events": dict(totals),
                   "new_relay_pids": sorted(relays_after - relays_before) if relays_before else None,
                   "relays": (after or {}).get("relays"), "supervisor": (after or {}).get("supervisor"),
+                  "memory": {e.get("id"): e.get("memory") for e in (after or {}).get("engines") or []},
+                  "gpu_processes": gpu_processes(),
                   "samples": compact(recs, a.started)}  # fmt: skip
         result["levels"].append(record)
         ttft, tpot = stats["ttft"]["p50_ms"] or 0, stats["tpot"]["p50_ms"] or 0
@@ -1039,7 +1052,7 @@ def main() -> None:
     p.add_argument("--api-key", help="sent as a bearer token with every completion (with --url)")
     p.add_argument("--port", type=int, help="default: a free one")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-seqs", type=int, default=128, help="0: not set (the engine's default)")
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--kv-cache-bytes", type=int)
     p.add_argument("--weights", default="ipc-or-disk", choices=("ipc", "ipc-or-disk", "disk"))

@@ -36,12 +36,33 @@ class EngineSettings(BaseModel):
             "kernels are bf16 kernels)"
         ),
     ] = "auto"
-    max_num_seqs: Annotated[int, Field(ge=1, description="sequences an engine runs at once")] = 16
-    max_model_len: Annotated[
-        int | None, Field(ge=16, description="longest sequence (prompt + output); none: min(model's context, 4096)")
+    max_num_seqs: Annotated[
+        int | None, Field(ge=1, description="sequences an engine runs at once; none: 256 on CUDA, 16 on the CPU")
     ] = None
+    max_model_len: Annotated[
+        int | None,
+        Field(
+            ge=16,
+            description="longest sequence (prompt + output); none: the model's context if the KV cache holds 4 "
+            "such sequences, else min(model's context, 4096)",
+        ),
+    ] = None
+    gpu_memory_fraction: Annotated[
+        float,
+        Field(
+            gt=0,
+            le=1,
+            description="of the GPU's memory, what the weights and every engine's KV cache and working memory may "
+            "use (the active engine, the standbys, one draining); the KV cache is sized from it (CUDA only)",
+        ),
+    ] = 0.9
     kv_cache_bytes: Annotated[
-        int | None, Field(ge=1, description="cap on KV cache memory; fewer sequences fit if it binds")
+        int | None,
+        Field(
+            ge=1,
+            description="cap on one engine's KV cache; none: planned from gpu_memory_fraction on CUDA, "
+            "max_num_seqs full-length sequences on the CPU",
+        ),
     ] = None
     max_num_batched_tokens: Annotated[
         int, Field(ge=16, description="tokens per scheduler step (prompt chunks + decode tokens)")

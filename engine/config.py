@@ -6,7 +6,7 @@ import json
 import tomllib
 from pathlib import Path
 
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
 from common.settings import EngineSettings
 
@@ -17,6 +17,7 @@ class EngineConfig(EngineSettings):
     model: Path
     served_model_name: str | None = None  # default: the checkpoint directory's name
     cache_socket: Path | None = None  # none: no cache (ipc-or-disk reads the checkpoint)
+    kv_share: int = Field(1, ge=1)  # engines holding a KV cache on the device at once (engine/memory_plan.py)
 
     @model_validator(mode="after")
     def _cache_socket_for_ipc(self) -> EngineConfig:

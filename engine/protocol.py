@@ -644,6 +644,9 @@ class HealthResponse(OpenAIModel):
     kv_blocks_total: int = 0
     device_memory_bytes: int = 0  # what this process holds on its GPU (CUDA context and graphs aside): 0 on CPU
     private_memory_bytes: int = 0  # its private resident memory (RssAnon): the cache's weights are not in it
+    max_num_seqs: int = 0  # as planned at start-up (engine/memory_plan.py); 0: an engine from before the plan
+    max_model_len: int = 0
+    memory: dict[str, Any] = Field(default_factory=dict)  # the plan: KV cache budget and bytes, device memory shares
     weights: WeightsInfo
     startup_phases: dict[str, float]  # seconds: device_init, weight_load, model_init, kv_alloc, cuda_graphs, warmup
 

@@ -236,6 +236,9 @@ def test_no_dropped_requests_across_restarts_reload_and_crashes(gateway: Gateway
     status = gateway.admin("GET", "/admin/status").json()
     active = next(e for e in status["engines"] if e["id"] == status["active"])
     assert active["settings"]["max_num_seqs"] == 4 and active["weight_source"] == "ipc"
+    # The engine's memory plan (on the CPU from the settings alone): what it runs with, as /health says.
+    memory = active["memory"]
+    assert memory["max_num_seqs"] == 4 and memory["device"] is None and memory["kv_tokens"] > 0, memory
     restarts = status["restarts"]
     assert [r["reason"] for r in restarts[-3:]] == ["crash"] * 3 and all(r["ok"] for r in restarts[-3:])
     assert status["cache"]["attach_count"] >= 1 + len(reports) + 1 + 3
@@ -417,6 +420,8 @@ def test_status_restart_and_reload_commands_print_summaries_and_json(gateway: Ga
     assert row[:4] == [str(active["id"]), "active", str(active["pid"]), "ipc"], row
     settings_line = next(line for line in summary.splitlines() if line.startswith("engine   "))
     assert f"max_num_seqs={active['settings']['max_num_seqs']}" in settings_line.split()  # the settings in use
+    memory_line = next(line for line in summary.splitlines() if line.startswith("memory   "))
+    assert f"max_model_len={active['memory']['max_model_len']}" in memory_line.split(), memory_line
     supervisor, relays = status["supervisor"]["pid"], len(status["relays"])
     processes = f"serve pid {gateway.proc.pid}  supervisor pid {supervisor}  {relays} relays"
     assert f"gateway  {processes}" in summary

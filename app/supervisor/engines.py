@@ -99,6 +99,7 @@ class Engine:
             "weight_source": health.weights.source if health is not None else None,
             "device_memory_bytes": health.device_memory_bytes if health is not None else None,
             "private_memory_bytes": health.private_memory_bytes if health is not None else None,
+            "memory": health.memory if health is not None and health.memory else None,
             "settings": self.config.model_dump(mode="json", exclude={"model", "cache_socket"}),
         }
 

@@ -117,7 +117,7 @@ class Supervisor:
         if engine is None:
             return None
         backlog = self.settings.gateway.engine_backlog
-        seqs = engine.config.max_num_seqs
+        seqs = (engine.health.max_num_seqs if engine.health else 0) or engine.config.max_num_seqs or 16
         capacity = seqs + (backlog if backlog is not None else max(4, seqs // 4))
         return EngineRoute(id=engine.id, socket=str(engine.socket), capacity=capacity)
 

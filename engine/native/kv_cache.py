@@ -25,6 +25,11 @@ from cache.checkpoint.architecture import ModelShape
 NULL_BLOCK = 0  # reserved: padding writes land here, no sequence reads it
 
 
+def kv_bytes_per_token(shape: ModelShape, dtype: torch.dtype) -> int:
+    """Keys and values of one position, every layer."""
+    return shape.layers * 2 * shape.kv_heads * shape.head_dim * torch.finfo(dtype).bits // 8
+
+
 @dataclass(frozen=True)
 class KVCacheSpec:
     blocks: int  # including the reserved null block
@@ -50,7 +55,7 @@ class KVCacheSpec:
 
         Refused when the cache cannot hold one sequence of ``max_len`` tokens: such a request could never finish.
         """
-        per_token = shape.layers * 2 * shape.kv_heads * shape.head_dim * torch.finfo(dtype).bits // 8
+        per_token = kv_bytes_per_token(shape, dtype)
         per_seq = math.ceil(max_len / block_size)
         blocks = max_seqs * per_seq if budget is None else budget // (per_token * block_size) - 1
         if blocks < per_seq:

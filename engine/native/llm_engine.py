@@ -23,7 +23,9 @@ from common.device import resolve_device
 from common.events import log_event
 from engine.config import EngineConfig
 from engine.grammar import GrammarState, TokenMasks
-from engine.native.kv_cache import BlockAllocator, KVCache, KVCacheSpec
+from engine.memory_plan import DeviceMemory, MemoryPlan, default_max_num_seqs, working_bytes
+from engine.memory_plan import plan as plan_memory
+from engine.native.kv_cache import BlockAllocator, KVCache, KVCacheSpec, kv_bytes_per_token
 from engine.native.model import ModelArgs, Transformer
 from engine.native.model_runner import ModelRunner
 from engine.native.sampler import prompt_logprobs, sample, skip_draws
@@ -34,7 +36,6 @@ from engine.tokenizer import model_eos_ids
 from engine.weights import LoadedWeights, WeightOrigin, WeightSource, weight_source
 
 log = logging.getLogger("warmgate.engine")
-DEFAULT_MAX_MODEL_LEN = 4096
 STATS_INTERVAL = 10.0  # seconds between engine_stats log lines
 
 
@@ -64,21 +65,43 @@ class LLMEngine(EngineThread[Sequence]):
         with self._phase("model_init"):  # the skeleton: binds the weights, builds rotary tables
             self.args = ModelArgs.from_config(loaded.config)
             self.model = Transformer(self.args, loaded.weights)
-        self.max_model_len = min(config.max_model_len or DEFAULT_MAX_MODEL_LEN, self.args.max_position_embeddings)
         self.eos_token_ids = model_eos_ids(loaded.config, config.model)
         with self._phase("kv_alloc"):
-            spec = KVCacheSpec.plan(self.args.shape, self.dtype, config.max_num_seqs, self.max_model_len,
-                                    config.kv_cache_bytes, config.block_size)  # fmt: skip
+            planned = self._plan_memory(loaded)
+            self.max_num_seqs, self.max_model_len = planned.max_num_seqs, planned.max_model_len
+            spec = KVCacheSpec.plan(self.args.shape, self.dtype, self.max_num_seqs, self.max_model_len,
+                                    planned.kv_cache_bytes, config.block_size)  # fmt: skip
             self.kv = KVCache(self.args.shape, spec, self.dtype, self.device)
+        self.memory = {**planned.describe(), "kv_cache_bytes": spec.total_bytes, "kv_tokens": spec.usable_tokens}
+        log_event(log, "memory_plan", **{k: v for k, v in self.memory.items() if k != "device"},
+                  **(planned.device.describe() if planned.device else {}))  # fmt: skip
         allocator = BlockAllocator(spec, prefix_caching=config.enable_prefix_caching)
-        self.scheduler = Scheduler(allocator, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+        self.scheduler = Scheduler(allocator, self.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.kv, self.max_num_seqs, config.max_num_batched_tokens,
                                   self.max_model_len, config.cuda_graphs)  # fmt: skip
         if self.runner.use_graphs:
             with self._phase("cuda_graphs"):  # every graph before ready: no capture on a request's path
                 self.runner.capture_all()
         with self._phase("warmup"):
             self.generate([[self.eos_token_ids[0]] * 4], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+
+    def _plan_memory(self, loaded: LoadedWeights) -> MemoryPlan:
+        """Sequences, longest sequence and KV cache budget (engine/memory_plan.py): from the device's memory on
+        CUDA, from the settings alone on the CPU."""
+        config, shape = self.config, self.args.shape
+        device = None
+        if self.device.type == "cuda":
+            seqs = config.max_num_seqs or default_max_num_seqs("cuda")
+            weights = sum(t.nbytes for t in loaded.weights.tensors.values() if t.device.type == "cuda")
+            free, total = torch.cuda.mem_get_info(self.device)
+            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)  # ours, unused
+            device = DeviceMemory(total=total, free=free, fraction=config.gpu_memory_fraction, weights=weights,
+                                  shared_weights=loaded.source == "ipc",
+                                  working=working_bytes(shape, config.max_num_batched_tokens, seqs),
+                                  kv_share=config.kv_share)  # fmt: skip
+        per_token = kv_bytes_per_token(shape, self.dtype)
+        return plan_memory(self.args.max_position_embeddings, per_token, self.device.type, config.max_num_seqs,
+                           config.max_model_len, config.kv_cache_bytes, device)  # fmt: skip
 
     def _phase(self, name: str) -> _Timer:
         return _Timer(self.startup_phases, name)
@@ -184,8 +207,8 @@ class LLMEngine(EngineThread[Sequence]):
     def _description(self) -> tuple[str, int, int]:
         return self.config.name, self.kv.spec.block_size, self.kv_blocks_total
 
-    def _load(self) -> tuple[int, int, int]:
-        return self.num_running, self.num_waiting, self.kv_blocks_total - self.kv_blocks_free
+    def _load(self) -> tuple[int, int, int, int, int]:
+        return self.num_running, self.num_waiting, self.kv_blocks_total - self.kv_blocks_free, *self.prefix_cache
 
     @torch.inference_mode()
     def _step(self) -> None:
@@ -220,7 +243,7 @@ class LLMEngine(EngineThread[Sequence]):
         if not constrained:
             return None
         if self._masks is None:
-            self._masks = TokenMasks(self.config.max_num_seqs, pinned=self.device.type == "cuda")
+            self._masks = TokenMasks(self.max_num_seqs, pinned=self.device.type == "cuda")
             self._masker = ThreadPoolExecutor(1, thread_name_prefix="warmgate-grammar")
         masks = self._masks
 

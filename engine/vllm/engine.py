@@ -27,6 +27,7 @@ from cache.processors.vllm import LOAD_FORMAT, engine_args
 from common.device import resolve_device
 from common.events import log_event
 from engine.config import EngineConfig
+from engine.memory_plan import default_max_num_seqs
 from engine.request_stream import EngineThread, RequestStream, TokenEvent, TokenLogprobs
 from engine.sampling_params import LOGPROB_FLOOR, SamplingParams
 from engine.tokenizer import model_eos_ids
@@ -94,11 +95,14 @@ class VllmEngine(EngineThread[_Pending]):
         self.max_model_len = min(config.max_model_len or DEFAULT_MAX_MODEL_LEN,
                                  int(model_config.get("max_position_embeddings", DEFAULT_MAX_MODEL_LEN)))  # fmt: skip
         self.eos_token_ids = model_eos_ids(model_config, config.model)
+        self.max_num_seqs = config.max_num_seqs or default_max_num_seqs(self.device.type)
         kv_bytes = config.kv_cache_bytes or (CPU_KV_CACHE_BYTES if self.device.type == "cpu" else None)
+        self.memory = {"max_num_seqs": self.max_num_seqs, "max_model_len": self.max_model_len,
+                       "kv_cache_budget": kv_bytes, "device": None}  # fmt: skip
         args = engine_args(
             config.model, self.device, dtype,
             max_model_len=self.max_model_len,
-            max_num_seqs=config.max_num_seqs,
+            max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=max(config.max_num_batched_tokens, self.max_model_len),
             load_format=LOAD_FORMAT,
             model_loader_extra_config={"cache_socket": str(config.cache_socket or ""), "weights": config.weights,
@@ -305,13 +309,13 @@ class VllmEngine(EngineThread[_Pending]):
         block_size = int(self.llm.vllm_config.cache_config.block_size)
         return self.config.name, block_size, int(pool.num_gpu_blocks) - 1 if pool is not None else 0
 
-    def _load(self) -> tuple[int, int, int]:
+    def _load(self) -> tuple[int, int, int, int, int]:
         """vLLM's own scheduler queues (``self._streams`` counts its running and waiting requests together)."""
         scheduler, pool = self._scheduler(), self._block_pool()
         if scheduler is None or pool is None:
-            return len(self._streams), len(self._inbox), 0
+            return len(self._streams), len(self._inbox), 0, *self.prefix_cache
         used = int(pool.num_gpu_blocks) - 1 - int(pool.get_num_free_blocks())
-        return len(scheduler.running), len(scheduler.waiting) + len(self._inbox), used
+        return len(scheduler.running), len(scheduler.waiting) + len(self._inbox), used, *self.prefix_cache
 
     def _fail(self, error: str) -> None:
         rids = list(self._streams)
