@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
@@ -36,6 +36,7 @@ PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60)
 STATES = ("starting", "ready", "active", "standby", "draining", "stopped", "failed")
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 QUEUED_IN_RELAYS = "warmgate:num_requests_waiting"
+PREFIX_QUERIES, PREFIX_HITS = "warmgate:prefix_cache_queries", "warmgate:prefix_cache_hits"
 NO_ADAPTERS = {"max_lora": "0", "running_lora_adapters": "", "waiting_lora_adapters": ""}
 
 
@@ -86,11 +87,16 @@ class _Exposition(Collector):
         families = list(self.processes.collect())
         yield from families
         if self.serving is not None:
-            queued = sum(sample.value for f in families if f.name == QUEUED_IN_RELAYS for sample in f.samples)
-            yield from router_metrics(self.serving, int(queued))
+            def total(name: str) -> int:
+                return int(sum(sample.value for f in families if f.name == name for sample in f.samples
+                               if sample.name == name + ("_total" if f.type == "counter" else "")))  # fmt: skip
+
+            yield from router_metrics(self.serving, total(QUEUED_IN_RELAYS), total(PREFIX_QUERIES),
+                                      total(PREFIX_HITS))  # fmt: skip
 
 
-def router_metrics(serving: ServingLoad, queued_in_relays: int) -> list[GaugeMetricFamily]:
+def router_metrics(serving: ServingLoad, queued_in_relays: int, prefix_queries: int = 0,
+                   prefix_hits: int = 0) -> list[Metric]:  # fmt: skip
     """The model-server protocol of the Gateway API Inference Extension, with the names vLLM gives these figures
     (and its endpoint picker reads by default); one series each, labelled with the model as vLLM's are."""
     model = {"model_name": serving.model_name}
@@ -101,7 +107,7 @@ def router_metrics(serving: ServingLoad, queued_in_relays: int) -> list[GaugeMet
         return family
 
     waiting = queued_in_relays + serving.waiting
-    families = [
+    families: list[Metric] = [
         gauge("vllm:num_requests_waiting", "Requests queued: in the relays and in the engines' schedulers", waiting),
         gauge("vllm:num_requests_running", "Sequences running in the engines (active, draining)", serving.running),
         gauge("vllm:kv_cache_usage_perc", "The active engine's KV-cache usage, 1 = 100 percent", serving.kv_usage),
@@ -111,6 +117,13 @@ def router_metrics(serving: ServingLoad, queued_in_relays: int) -> list[GaugeMet
     if serving.block_size:
         layout = {"block_size": str(serving.block_size), "num_gpu_blocks": str(serving.kv_blocks)}
         families.append(gauge("vllm:cache_config_info", "The active engine's KV cache", 1, layout))
+    for name, documentation, value in (
+        ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix caches (all engines)", prefix_queries),
+        ("vllm:prefix_cache_hits", "Prompt tokens taken from the prefix caches (all engines)", prefix_hits),
+    ):
+        counter = CounterMetricFamily(name, documentation, labels=list(model))
+        counter.add_metric(list(model.values()), value)
+        families.append(counter)
     return families
 
 
@@ -171,6 +184,11 @@ class SupervisorMetrics:
                                   multiprocess_mode="livesum", registry=None)  # fmt: skip
         self.relay_restarts = Counter("warmgate:relay_restarts", "Relay workers that exited and were restarted",
                                       registry=None)  # fmt: skip
+        self.prefix_queries = Counter(PREFIX_QUERIES, "Prompt tokens the engines looked up in their prefix caches",
+                                      registry=None)  # fmt: skip
+        self.prefix_hits = Counter(PREFIX_HITS, "Prompt tokens the engines took from their prefix caches",
+                                   registry=None)  # fmt: skip
+        self._prefix_seen: dict[int, tuple[int, int]] = {}  # engine id -> its counters when last read
         for state in STATES:
             self.engines.labels(state).set(0)
 
@@ -182,6 +200,17 @@ class SupervisorMetrics:
             self.weight_loads.labels(report.weight_source).inc()
             if report.weight_source == "ipc" and "weight_load" in report.phases:
                 self.attach.observe(report.phases["weight_load"])
+
+    def prefix_cache(self, engine: int, queries: int, hits: int) -> None:
+        """An engine's prefix-cache counters as its heartbeat file has them now: what they grew by since the last
+        read is added to the gateway's (which grow across restarts, as a client's view of the pod)."""
+        last_queries, last_hits = self._prefix_seen.get(engine, (0, 0))
+        self.prefix_queries.inc(max(0, queries - last_queries))
+        self.prefix_hits.inc(max(0, hits - last_hits))
+        self._prefix_seen[engine] = (queries, hits)
+
+    def forget_engine(self, engine: int) -> None:
+        self._prefix_seen.pop(engine, None)
 
     def engine_states(self, states: list[str]) -> None:
         for state in STATES:

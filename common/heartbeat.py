@@ -12,7 +12,9 @@ stopped (SIGSTOP) or stuck in a step stops stamping, and its stamps age.
 The same file carries the engine's load for the relays' /metrics (what a Kubernetes inference router reads:
 docs/operations.md, "Many replicas"): the engine thread writes its scheduler's figures after every step, and a
 relay reads them when it is scraped, without asking the engine. What never changes (the model's name, the KV
-block size and block count) is written once, before the engine serves.
+block size and block count) is written once, before the engine serves. After the name come two counters that
+only grow while the engine lives, its prefix cache's queries and hits in tokens (vLLM's figures), which the
+supervisor adds up across engines (app/supervisor/liveness.py).
 """
 
 from __future__ import annotations
@@ -35,13 +37,16 @@ STATES = ("starting", "ready", "active", "standby", "draining")
 LOAD, INFO, NAME = 3, 6, 9
 NAME_BYTES = 256
 SLOTS = NAME
-SIZE = SLOTS * 8 + NAME_BYTES  # a file of an earlier layout is shorter: it has stamps and state, no load
+LOAD_END = SLOTS * 8 + NAME_BYTES
+COUNTERS = LOAD_END  # byte offset: prefix-cache queries and hits
+SIZE = COUNTERS + 16  # a file of an earlier layout is shorter: stamps and state, no load, or a load and no counters
 BEAT_INTERVAL = 0.25  # seconds
 # Native order ("@"): struct packs a native integer with one memcpy, an aligned 8-byte store that a reader never
 # sees half-written ("<" packs byte by byte). Every process that shares the file runs on this machine.
 _SLOT = struct.Struct("@Q")  # monotonic nanoseconds
 # Three such stores: a reader may see two consecutive steps' figures mixed, never a torn number.
 _TRIPLE = struct.Struct("@3Q")
+_PAIR = struct.Struct("@2Q")
 
 
 @dataclass(frozen=True)
@@ -77,7 +82,8 @@ class Heartbeat:
             self._map = mmap.mmap(fd, min(os.fstat(fd).st_size, SIZE))
         finally:
             os.close(fd)
-        self._has_load = len(self._map) >= SIZE
+        self._has_load = len(self._map) >= LOAD_END
+        self._has_counters = len(self._map) >= SIZE
 
     @classmethod
     def create(cls, path: Path) -> Heartbeat:
@@ -119,10 +125,18 @@ class Heartbeat:
         self._map[SLOTS * _SLOT.size : SLOTS * _SLOT.size + len(name)] = name
         _TRIPLE.pack_into(self._map, INFO * _SLOT.size, block_size, kv_blocks_total, len(name))
 
-    def publish(self, running: int, waiting: int, kv_blocks_used: int) -> None:
-        """The engine thread, after each step: its scheduler's figures."""
+    def publish(self, running: int, waiting: int, kv_blocks_used: int, prefix_queries: int = 0,
+                prefix_hits: int = 0) -> None:  # fmt: skip
+        """The engine thread, after each step: its scheduler's figures and its prefix cache's counters."""
         if self._has_load:
             _TRIPLE.pack_into(self._map, LOAD * _SLOT.size, running, waiting, kv_blocks_used)
+        if self._has_counters:
+            _PAIR.pack_into(self._map, COUNTERS, prefix_queries, prefix_hits)
+
+    def prefix_cache(self) -> tuple[int, int]:
+        """The engine's prefix-cache queries and hits (tokens) since it started; zeros in a file of an earlier
+        layout."""
+        return _PAIR.unpack_from(self._map, COUNTERS) if self._has_counters else (0, 0)  # type: ignore[return-value]
 
     def load(self) -> EngineLoad | None:
         """The engine's last published load; None before it described itself, or in a file of an earlier layout."""

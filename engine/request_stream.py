@@ -9,6 +9,7 @@ relays' /metrics reads them.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import threading
 from collections.abc import AsyncIterator
@@ -51,7 +52,10 @@ class RequestStream:
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens
         self.loop = loop
-        self.queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        # Delivered, not yet read; and the reader's future while it waits. Lighter than an asyncio.Queue, which
+        # this was (a queue's put and get cost more than the rest of a token's way through the loop).
+        self._events: collections.deque[TokenEvent] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
         self._outbox = outbox
         self.cancelled = False
 
@@ -64,11 +68,22 @@ class RequestStream:
         self.cancelled = True
 
     async def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        events = self._events
         while True:
-            event = await self.queue.get()
+            while not events:
+                self._waiter = self.loop.create_future()
+                await self._waiter
+            event = events.popleft()
             yield event
             if event.finish_reason is not None:
                 return
+
+    def _deliver(self, event: TokenEvent) -> None:
+        """On the loop: the event is there to read; a reader waiting for it wakes up."""
+        self._events.append(event)
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
 
 class Outbox:
@@ -93,7 +108,7 @@ class Outbox:
 
 def _deliver(events: list[tuple[RequestStream, TokenEvent]]) -> None:
     for stream, event in events:
-        stream.queue.put_nowait(event)
+        stream._deliver(event)
 
 
 class EngineThread(Generic[Item]):
@@ -188,6 +203,7 @@ class EngineThread(Generic[Item]):
         """What its load figures are about: the served model's name, the KV block size, the usable KV blocks."""
         raise NotImplementedError
 
-    def _load(self) -> tuple[int, int, int]:
-        """The scheduler's figures now: sequences running, requests waiting, KV blocks in use."""
+    def _load(self) -> tuple[int, int, int, int, int]:
+        """The scheduler's figures now: sequences running, requests waiting, KV blocks in use; and the prefix
+        cache's queries and hits (tokens) since the engine started."""
         raise NotImplementedError

@@ -9,6 +9,8 @@ layout (an engine adopted across an upgrade) reads as no load.
     vllm:num_requests_waiting   requests waiting in the relays (warmgate:num_requests_waiting) + in the engines
     vllm:kv_cache_usage_perc    the active engine's KV blocks in use / its usable blocks
     vllm:cache_config_info      block_size and num_gpu_blocks labels, value 1
+    vllm:prefix_cache_queries   counters: prompt tokens looked up in / taken from the engines' prefix caches, all
+    vllm:prefix_cache_hits      engines so far (warmgate:prefix_cache_*: the supervisor adds them up)
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +28,7 @@ import pytest
 from processes import Gateway, start_gateway, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.heartbeat import SIZE, Heartbeat
+from common.heartbeat import LOAD_END, SIZE, Heartbeat
 
 MODEL_NAME = "demo"
 MAX_NUM_SEQS = 2
@@ -192,6 +195,59 @@ def test_the_router_metrics_follow_the_active_engine_across_a_restart(gateway: G
     assert labels == {"block_size": "4", "num_gpu_blocks": str(health["kv_blocks_total"])}
 
 
+def prefix_counters(url: str) -> tuple[float, float]:
+    """vllm:prefix_cache_queries and _hits (counters) in /metrics."""
+    found = {family.name: family for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)}
+    values = []
+    for name in ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits"):
+        family = found[name]
+        assert family.type == "counter" and [s.name for s in family.samples] == [name + "_total"], family
+        assert family.samples[0].labels == {"model_name": MODEL_NAME}
+        values.append(family.samples[0].value)
+    return values[0], values[1]
+
+
+def test_the_prefix_cache_counters_add_up_every_engine_and_keep_growing_across_a_restart(gateway: Gateway) -> None:
+    """The same prompt twice: the second takes its full blocks from the cache; the counters are the engine's own
+    (its /health), and a restart does not take them back: they add the next engine's."""
+    prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * 6)  # several KV blocks
+
+    def complete() -> None:
+        answer = httpx.post(f"{gateway.url}/v1/completions", json={"prompt": prompt, "max_tokens": 2}, timeout=120)
+        assert answer.status_code == 200, answer.text
+
+    def settled(expected: tuple[int, int]) -> tuple[float, float] | None:
+        counters = prefix_counters(gateway.url)
+        return counters if counters == expected else None
+
+    def quiet() -> tuple[float, float] | None:
+        """The counters once the supervisor has read everything the engine did (health_interval is 1 s)."""
+        seen = prefix_counters(gateway.url)
+        time.sleep(1.5)
+        return seen if prefix_counters(gateway.url) == seen else None
+
+    before = wait_for(quiet, 30, "the prefix-cache counters at rest")
+    first = engine_health(gateway)
+    complete()
+    complete()
+    health = engine_health(gateway)
+    grew = (health["prefix_cache_queries"] - first["prefix_cache_queries"],
+            health["prefix_cache_hits"] - first["prefix_cache_hits"])  # fmt: skip
+    assert grew[0] > 0 and grew[1] > 0, grew  # the second request's full blocks came from the cache
+    # The supervisor reads the heartbeat files every second (health_interval).
+    now = wait_for(lambda: settled((int(before[0] + grew[0]), int(before[1] + grew[1]))), 30,
+                   f"the counters grown by {grew}, as the engine's /health says")  # fmt: skip
+    restart = gateway.admin("POST", "/admin/restart", json={})
+    assert restart.status_code == 200 and restart.json()["ok"], restart.text
+    fresh = engine_health(gateway)  # a new engine: its own counters started again
+    complete()
+    again = engine_health(gateway)
+    more = again["prefix_cache_queries"] - fresh["prefix_cache_queries"]
+    assert more > 0
+    wait_for(lambda: (c := prefix_counters(gateway.url))[0] >= now[0] + more and c, 30,
+             "the new engine's queries added to the counters, the old engine's kept")  # fmt: skip
+
+
 def test_a_heartbeat_file_of_the_earlier_layout_has_stamps_and_no_load(tmp_path: Path) -> None:
     """An engine started by an earlier gateway (adopted across an upgrade) has a shorter file: it is read, its
     stamps age as before, and it reports no load (the relays then show none for it) rather than failing."""
@@ -204,13 +260,24 @@ def test_a_heartbeat_file_of_the_earlier_layout_has_stamps_and_no_load(tmp_path:
     assert old.load() is None and old.ages()[0] < 1 and path.stat().st_size == 3 * 8
     old.close()
 
+    # A load and no prefix-cache counters (the layout before them): the load reads, the counters are zeros.
+    loaded = tmp_path / "engine-1-3.beat"
+    loaded.write_bytes(bytes(LOAD_END))
+    middle = Heartbeat(loaded)
+    middle.describe("demo", 16, 100)
+    middle.publish(1, 2, 3, 500, 400)
+    load = middle.load()
+    assert load is not None and load.running == 1 and middle.prefix_cache() == (0, 0)
+    assert loaded.stat().st_size == LOAD_END
+    middle.close()
+
     new = Heartbeat.create(tmp_path / "engine-1-2.beat")
     assert new.path.stat().st_size == SIZE and new.load() is None  # nothing described yet
     new.describe("x" * 300, 16, 100)  # a name longer than its room is cut, not spilled into the next slots
-    new.publish(2, 5, 40)
+    new.publish(2, 5, 40, 640, 512)
     load = new.load()
     assert load is not None and (load.running, load.waiting, load.kv_usage, load.block_size) == (2, 5, 0.4, 16)
-    assert load.model_name == "x" * 256
+    assert load.model_name == "x" * 256 and new.prefix_cache() == (640, 512)
     new.close()
 
 
