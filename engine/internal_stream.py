@@ -9,6 +9,8 @@ and the relay decodes (``split``); ``[DONE]`` is defined here once.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from engine.protocol import InternalEvent
 
 RESUMABLE_HEADER = "x-warmgate-resumable"
@@ -28,7 +30,25 @@ def opening(note: InternalEvent) -> str:
 
 def annotated(event: str, note: InternalEvent) -> str:
     """A data event followed by its comment line (the token ids it consumed, the characters sent)."""
-    return f"{event[:-1]}{COMMENT}{note.model_dump_json(exclude_defaults=True)}\n\n"
+    return annotated_with(event, note.model_dump_json(exclude_defaults=True))
+
+
+def token_note(ids: Sequence[int], chars: int, choice: int) -> str:
+    """``InternalEvent(ids=ids, chars=chars, choice=choice).model_dump_json(exclude_defaults=True)``, the comment of
+    an event with no finish reason (most of a stream's), written without building the model: once per token."""
+    fields = []
+    if ids:
+        fields.append(f'"ids":[{",".join(map(str, ids))}]')
+    if chars:
+        fields.append(f'"chars":{chars}')
+    if choice:
+        fields.append(f'"choice":{choice}')
+    return "{" + ",".join(fields) + "}"
+
+
+def annotated_with(event: str, note_json: str) -> str:
+    """``annotated`` with the comment's JSON already written."""
+    return f"{event[:-1]}{COMMENT}{note_json}\n\n"
 
 
 def split(event: bytes) -> tuple[bytes, bytes | None]:

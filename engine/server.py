@@ -16,6 +16,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable
+from json.encoder import encode_basestring  # json.dumps's own string encoder (ensure_ascii=False), in C
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from fastapi import FastAPI, Request
@@ -26,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from engine.grammar import Grammar, GrammarError, Grammars
-from engine.internal_stream import DONE, RESUMABLE_HEADER, annotated, opening
+from engine.internal_stream import DONE, RESUMABLE_HEADER, annotated, annotated_with, opening, token_note
 from engine.protocol import (
     ChatCompletionChunk,
     ChatCompletionChunkChoice,
@@ -76,7 +77,9 @@ class ServingEngine(Protocol):
     """What the HTTP API needs of an engine, whatever its backend (engine/native/, engine/vllm/)."""
 
     config: EngineConfig
+    max_num_seqs: int
     max_model_len: int
+    memory: dict[str, Any]  # the memory plan, as /health shows it
     eos_token_ids: list[int]
     startup_phases: dict[str, float]
 
@@ -496,13 +499,17 @@ class EngineAPI:
         text = request if isinstance(request, CompletionRequest) else None
         echo = {c.index for c in answer.choices} if text is not None and text.echoes() else set()
         logprobs = request.requested_logprobs() is not None
+        # Most chunks carry text alone: written from a template the models made once per choice (TextChunks).
+        texts = TextChunks(lambda index: chunk([self.text_choice(chat, index, TextChunks.SLOT)]))
         try:
             async for choice, delta in answer.deltas():
                 if choice.index in echo:  # its prompt first, with its logprobs (they came with the first token)
                     echo.discard(choice.index)
                     prompt = text.prompt_text(choice.index // (request.n or 1)) if text is not None else None
                     yield chunk([self.echo_choice(prompt, choice, logprobs)])
-                if delta.text or delta.finish_reason or delta.logprobs:
+                if delta.text and not (delta.finish_reason or logprobs or delta.tool_calls):
+                    yield _with_ids(texts.event(choice.index, delta.text), answer, choice, delta)
+                elif delta.text or delta.finish_reason or delta.logprobs:
                     yield _with_ids(chunk([self.delta_choice(chat, choice, delta, logprobs)]), answer, choice, delta)
         except EngineFailure as exc:
             yield _sse(ErrorResponse(error=exc.info))
@@ -516,6 +523,8 @@ class EngineAPI:
                      logprobs: bool) -> ChatCompletionChunkChoice | CompletionChoice:  # fmt: skip
         """A chunk's choice: the delta's text (and tool calls) with the choice's index, its finish reason, and its
         tokens' logprobs when asked."""
+        if not (delta.finish_reason or logprobs or delta.tool_calls):
+            return self.text_choice(chat, choice.index, delta.text)
         if not chat:
             scores = self.completion_logprobs(choice, delta) if logprobs else None
             return CompletionChoice(index=choice.index, text=delta.text, finish_reason=delta.finish_reason,
@@ -527,6 +536,33 @@ class EngineAPI:
                                                                                 tool_calls=calls),
                                          finish_reason=delta.finish_reason,
                                          logprobs=self.chat_logprobs(delta) if logprobs else None)  # fmt: skip
+
+
+    @staticmethod
+    def text_choice(chat: bool, index: int, text: str) -> ChatCompletionChunkChoice | CompletionChoice:
+        """A chunk's choice that carries text alone."""
+        if chat:
+            return ChatCompletionChunkChoice(index=index, delta=DeltaMessage(content=text or None))
+        return CompletionChoice(index=index, text=text, finish_reason=None)
+
+
+class TextChunks:
+    """The SSE events of chunks that carry text alone, written from a template per choice: the event the models
+    write for a placeholder text, cut around it (the same JSON, without building three models per token)."""
+
+    SLOT = "warmgate-text-slot-5f0c1e"
+
+    def __init__(self, render: Callable[[int], str]) -> None:
+        self._render = render  # the event of choice ``index`` whose text is SLOT
+        self._templates: dict[int, tuple[str, str]] = {}
+
+    def event(self, index: int, text: str) -> str:
+        template = self._templates.get(index)
+        if template is None:
+            before, slot, after = self._render(index).partition(json.dumps(self.SLOT))
+            assert slot and self.SLOT not in after, "the placeholder is in the event once"
+            template = self._templates[index] = (before, after)
+        return f"{template[0]}{encode_basestring(text)}{template[1]}"
 
 
 def _choice_states(resume: Resume | None) -> dict[int, ChoiceResume]:
@@ -549,6 +585,8 @@ def _with_ids(event: str, answer: Answer, choice: TextGeneration, delta: Delta) 
     """An SSE data event, followed on the internal stream by the comment line of its choice's token ids."""
     if not answer.internal:
         return event
+    if delta.finish_reason is None:
+        return annotated_with(event, token_note(delta.token_ids, choice.chars, choice.index))
     return annotated(event, InternalEvent(ids=list(delta.token_ids), chars=choice.chars, finish=delta.finish_reason,
                                           choice=choice.index))  # fmt: skip
 
@@ -622,6 +660,9 @@ def create_app(engine: ServingEngine, tokenizer: ChatTokenizer) -> FastAPI:
             kv_blocks_total=engine.kv_blocks_total,
             device_memory_bytes=engine.device_memory_bytes(),
             private_memory_bytes=_private_memory(),
+            max_num_seqs=engine.max_num_seqs,
+            max_model_len=engine.max_model_len,
+            memory=engine.memory,
             weights=weights_info,
             startup_phases=engine.startup_phases,
         )

@@ -1,0 +1,196 @@
+"""An engine process's host work per generated token, thread by thread, on the CPU: the real engine worker (its
+HTTP server, text, SSE framing, the internal stream the relays read, its scheduler and sampler) with the model
+runner's step as a CUDA graph's looks from the host: its inputs staged, then a sleep of ``--step-ms`` (the GPU's
+step: the engine thread waits without the GIL, as in a CUDA synchronize), then logits made once and their
+argmax. Streaming clients read it on its socket, as the relays do.
+
+    python bench/engine_host.py [--streams 64] [--step-ms 6] [--seconds 20] [--profile engine|loop] [--out FILE]
+
+Reported: output tokens/s, and CPU microseconds per generated token of the engine thread, the HTTP loop (the
+main thread) and the rest of the process (from /proc, per thread). ``--profile``: that thread's functions
+under cProfile (its overhead inflates every figure: read them as shares).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16}  # fmt: skip
+
+
+def worker(socket_path: str, config: str, step_ms: float, profile: Path | None) -> None:
+    """The engine worker, its model replaced as the module docstring says."""
+    import torch
+
+    from engine import worker as engine_worker
+    from engine.native import llm_engine
+    from engine.native.model_runner import StepOutput
+
+    original = llm_engine.LLMEngine.__init__
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        runner = self.runner
+        logits_rows = torch.randn(runner.max_seqs, self.args.shape.vocab, generator=torch.Generator().manual_seed(0))
+        argmax = logits_rows.argmax(dim=-1)
+
+        def run(step: Any, every_token: Any = frozenset()) -> StepOutput:
+            """What a CUDA graph's step does on the host: stage the inputs, wait for the GPU, read the argmax."""
+            seqs = len(step)
+            runner._stage(step, sum(w.count for w in step), seqs)
+            time.sleep(step_ms / 1e3)  # the GPU's step, waited for without the GIL
+            return StepOutput(logits_rows[:seqs], argmax[:seqs].tolist())
+
+        runner.run = run
+
+    llm_engine.LLMEngine.__init__ = init
+    start = llm_engine.LLMEngine.start
+
+    def named_start(self: Any, *args: Any, **kwargs: Any) -> None:
+        start(self, *args, **kwargs)
+        import ctypes
+
+        libc = ctypes.CDLL(None)  # the OS name of the engine thread, for /proc (Python's names stay in Python)
+        libc.pthread_setname_np(ctypes.c_ulong(self._thread.ident), b"wg-engine")
+
+    llm_engine.LLMEngine.start = named_start
+    if profile is None:
+        engine_worker.main(socket_path, config)
+        return
+    import cProfile
+
+    profiler = cProfile.Profile()
+    if profile.stem == "engine":  # the engine thread's loop, from its start to its end
+        loop = llm_engine.LLMEngine._loop
+
+        def profiled_loop(self: Any) -> None:
+            profiler.enable()
+            try:
+                loop(self)
+            finally:
+                profiler.disable()
+                profiler.dump_stats(str(profile))
+
+        llm_engine.LLMEngine._loop = profiled_loop
+        engine_worker.main(socket_path, config)
+        return
+    profiler.enable()  # the main thread: the HTTP loop
+    try:
+        engine_worker.main(socket_path, config)
+    finally:
+        profiler.disable()
+        profiler.dump_stats(str(profile))
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds per thread name of ``pid``."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        seconds = (int(fields[11]) + int(fields[12])) / ticks
+        key = "engine" if name == "wg-engine" else "loop" if int(task.name) == pid else "other"
+        out[key] = out.get(key, 0.0) + seconds
+    return out
+
+
+async def load(socket_path: str, streams: int, seconds: float, max_tokens: int) -> int:
+    """Streaming completions from ``streams`` clients for ``seconds``: the tokens they got."""
+    import httpx
+
+    from engine.internal_stream import RESUMABLE_HEADER
+
+    tokens = 0
+    deadline = time.monotonic() + seconds
+    body = {"prompt": "Count: one, two, three,", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+
+    async def client() -> None:
+        nonlocal tokens
+        transport = httpx.AsyncHTTPTransport(uds=socket_path)
+        async with httpx.AsyncClient(transport=transport, base_url="http://engine", timeout=120) as http:
+            while time.monotonic() < deadline:
+                async with http.stream("POST", "/v1/completions", json=body,
+                                       headers={RESUMABLE_HEADER: "1"}) as response:  # fmt: skip
+                    assert response.status_code == 200, await response.aread()
+                    async for _ in response.aiter_raw():
+                        pass
+                tokens += max_tokens  # ignore_eos: every answer has max_tokens tokens
+
+    await asyncio.gather(*(client() for _ in range(streams)))
+    return tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--streams", type=int, default=64)
+    parser.add_argument("--step-ms", type=float, default=6.0)
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--profile", choices=("engine", "loop"), help="profile this thread")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        socket_path, config, step_ms, profile = args.worker
+        worker(socket_path, config, float(step_ms), Path(profile) if profile != "-" else None)
+        return
+    from cache.checkpoint.demo import build_demo
+    from cache.checkpoint.synth import SHAPES, synth_checkpoint
+
+    demo = build_demo("bf16", progress=False)  # its tokenizer: the text work is the real one
+    tmp = Path(tempfile.mkdtemp(prefix="engine-host-"))
+    model = synth_checkpoint(tmp / "tiny", {**SHAPES["smollm2-135m"], **TINY}, "bf16", tokenizer=demo,
+                             progress=False)  # fmt: skip
+    socket_path = str(tmp / "engine.sock")
+    config = json.dumps({"model": str(model), "device": "cpu", "max_num_seqs": args.streams, "max_model_len": 1024})
+    profile = tmp / f"{args.profile}.prof" if args.profile else None
+    cmd = [sys.executable, __file__, "--worker", socket_path, config, str(args.step_ms), str(profile or "-")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with (tmp / "worker.log").open("wb") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        while not Path(socket_path).exists() or b"event=ready" not in (tmp / "worker.log").read_bytes():
+            if proc.poll() is not None:
+                raise SystemExit((tmp / "worker.log").read_text()[-3000:])
+            time.sleep(0.1)
+        asyncio.run(load(socket_path, args.streams, 2.0, args.max_tokens))  # warm: every stream once
+        before, t = thread_cpu(proc.pid), time.perf_counter()
+        tokens = asyncio.run(load(socket_path, args.streams, args.seconds, args.max_tokens))
+        wall, after = time.perf_counter() - t, thread_cpu(proc.pid)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    per_token = {k: round((after.get(k, 0) - before.get(k, 0)) / tokens * 1e6, 2) for k in after}
+    result = {"streams": args.streams, "step_ms": args.step_ms, "seconds": round(wall, 1), "tokens": tokens,
+              "tok_s": round(tokens / wall), "ideal_tok_s": round(args.streams / args.step_ms * 1e3),
+              "cpu_us_per_token": per_token, "date": time.strftime("%Y-%m-%d")}  # fmt: skip
+    print(json.dumps(result))
+    if profile is not None and profile.exists():
+        import pstats
+
+        stats = pstats.Stats(str(profile))
+        stats.sort_stats("tottime").print_stats(30)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
