@@ -7,8 +7,9 @@ argmax. Streaming clients read it on its socket, as the relays do.
     python bench/engine_host.py [--streams 64] [--step-ms 6] [--seconds 20] [--profile engine|loop] [--out FILE]
 
 Reported: output tokens/s, and CPU microseconds per generated token of the engine thread, the HTTP loop (the
-main thread) and the rest of the process (from /proc, per thread). ``--profile``: that thread's functions
-under cProfile (its overhead inflates every figure: read them as shares).
+main thread) and the rest of the process (from /proc, per thread), and the cores the clients used (on a
+machine of two cores they compete with the engine: read tokens/s there with that in mind). ``--profile``: that
+thread's functions under cProfile (its overhead inflates every figure: read them as shares).
 """
 
 from __future__ import annotations
@@ -172,16 +173,17 @@ def main() -> None:
                 raise SystemExit((tmp / "worker.log").read_text()[-3000:])
             time.sleep(0.1)
         asyncio.run(load(socket_path, args.streams, 2.0, args.max_tokens))  # warm: every stream once
-        before, t = thread_cpu(proc.pid), time.perf_counter()
+        before, t, client = thread_cpu(proc.pid), time.perf_counter(), time.process_time()
         tokens = asyncio.run(load(socket_path, args.streams, args.seconds, args.max_tokens))
-        wall, after = time.perf_counter() - t, thread_cpu(proc.pid)
+        wall, after, client = time.perf_counter() - t, thread_cpu(proc.pid), time.process_time() - client
     finally:
         proc.terminate()
         proc.wait(60)
     per_token = {k: round((after.get(k, 0) - before.get(k, 0)) / tokens * 1e6, 2) for k in after}
     result = {"streams": args.streams, "step_ms": args.step_ms, "seconds": round(wall, 1), "tokens": tokens,
               "tok_s": round(tokens / wall), "ideal_tok_s": round(args.streams / args.step_ms * 1e3),
-              "cpu_us_per_token": per_token, "date": time.strftime("%Y-%m-%d")}  # fmt: skip
+              "cpu_us_per_token": per_token, "client_cores": round(client / wall, 2), "cpu_count": os.cpu_count(),
+              "date": time.strftime("%Y-%m-%d")}  # fmt: skip
     print(json.dumps(result))
     if profile is not None and profile.exists():
         import pstats
