@@ -537,7 +537,6 @@ class EngineAPI:
                                          finish_reason=delta.finish_reason,
                                          logprobs=self.chat_logprobs(delta) if logprobs else None)  # fmt: skip
 
-
     @staticmethod
     def text_choice(chat: bool, index: int, text: str) -> ChatCompletionChunkChoice | CompletionChoice:
         """A chunk's choice that carries text alone."""
