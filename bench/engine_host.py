@@ -1,15 +1,17 @@
 """An engine process's host work per generated token, thread by thread, on the CPU: the real engine worker (its
 HTTP server, text, SSE framing, the internal stream the relays read, its scheduler and sampler) with the model
-runner's step as a CUDA graph's looks from the host: its inputs staged, then a sleep of ``--step-ms`` (the GPU's
-step: the engine thread waits without the GIL, as in a CUDA synchronize), then logits made once and their
-argmax. Streaming clients read it on its socket, as the relays do.
+runner's step as a CUDA graph's looks from the host: its inputs staged and copied with two torch calls (the
+upload), then a sleep of ``--step-ms`` (the GPU's step: the engine thread waits without the GIL, as in a CUDA
+synchronize), then logits made once and their argmax. Streaming clients read it on its socket, as the relays do.
 
     python bench/engine_host.py [--streams 64] [--step-ms 6] [--seconds 20] [--profile engine|loop] [--out FILE]
 
-Reported: output tokens/s, and CPU microseconds per generated token of the engine thread, the HTTP loop (the
-main thread) and the rest of the process (from /proc, per thread), and the cores the clients used (on a
-machine of two cores they compete with the engine: read tokens/s there with that in mind). ``--profile``: that
-thread's functions under cProfile (its overhead inflates every figure: read them as shares).
+Reported: output tokens/s; CPU microseconds per generated token of the engine thread, the HTTP loop (the main
+thread) and the rest of the process (from /proc, per thread); the stand-in GPU's idle share between back-to-back
+steps (``gpu_idle``: the host's time from one step's end to the next one's launch, over the step's wall time,
+``step_wall_ms``); and the cores the clients used (on a machine of two cores they compete with the engine: read
+tokens/s there with that in mind). ``--profile``: that thread's functions under cProfile (its overhead inflates
+every figure: read them as shares).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+GAPS_FILE = ".gpu.json"  # beside the engine's socket: the stand-in GPU's steps, busy and idle seconds
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 16}  # fmt: skip
 
@@ -48,11 +51,29 @@ def worker(socket_path: str, config: str, step_ms: float, profile: Path | None) 
         logits_rows = torch.randn(runner.max_seqs, self.args.shape.vocab, generator=torch.Generator().manual_seed(0))
         argmax = logits_rows.argmax(dim=-1)
 
-        def run(step: Any, every_token: Any = frozenset()) -> StepOutput:
-            """What a CUDA graph's step does on the host: stage the inputs, wait for the GPU, read the argmax."""
+        gpu = {"steps": 0, "busy": 0.0, "idle": 0.0, "last": None}  # the stand-in GPU's time, for GAPS_FILE
+        # The device's copies of the staged inputs: on a GPU they are uploaded with two torch calls, and a torch
+        # call lets go of the GIL, which the HTTP loop may then hold (the runner's meta and tables are the host
+        # buffers themselves on the CPU, so copies stand in for them).
+        meta, tables = runner.host.clone(), runner.host_tables.clone()
+
+        def run(step: Any, every_token: Any = frozenset(), launched: Any = lambda: None) -> StepOutput:
+            """A CUDA graph's step on the host: stage the inputs, launch, wait for the GPU, read the argmax."""
             seqs = len(step)
             runner._stage(step, sum(w.count for w in step), seqs)
+            meta.copy_(runner.host)
+            tables[:seqs].copy_(runner.host_tables[:seqs])
+            began = time.perf_counter()
+            launched()
             time.sleep(step_ms / 1e3)  # the GPU's step, waited for without the GIL
+            ended = time.perf_counter()
+            if gpu["last"] is not None and began - gpu["last"] < 0.1:  # back to back: the GPU idled in between
+                gpu["steps"] += 1
+                gpu["busy"] += ended - began
+                gpu["idle"] += began - gpu["last"]
+            gpu["last"] = ended
+            if gpu["steps"] % 50 == 0:
+                Path(socket_path + GAPS_FILE).write_text(json.dumps(gpu))
             return StepOutput(logits_rows[:seqs], argmax[:seqs].tolist())
 
         runner.run = run
@@ -174,15 +195,20 @@ def main() -> None:
             time.sleep(0.1)
         asyncio.run(load(socket_path, args.streams, 2.0, args.max_tokens))  # warm: every stream once
         before, t, client = thread_cpu(proc.pid), time.perf_counter(), time.process_time()
+        gpu_before = json.loads(Path(socket_path + GAPS_FILE).read_text())
         tokens = asyncio.run(load(socket_path, args.streams, args.seconds, args.max_tokens))
         wall, after, client = time.perf_counter() - t, thread_cpu(proc.pid), time.process_time() - client
+        gpu_after = json.loads(Path(socket_path + GAPS_FILE).read_text())
     finally:
         proc.terminate()
         proc.wait(60)
+    steps, busy, idle = (gpu_after[k] - gpu_before[k] for k in ("steps", "busy", "idle"))
     per_token = {k: round((after.get(k, 0) - before.get(k, 0)) / tokens * 1e6, 2) for k in after}
     result = {"streams": args.streams, "step_ms": args.step_ms, "seconds": round(wall, 1), "tokens": tokens,
               "tok_s": round(tokens / wall), "ideal_tok_s": round(args.streams / args.step_ms * 1e3),
-              "cpu_us_per_token": per_token, "client_cores": round(client / wall, 2), "cpu_count": os.cpu_count(),
+              "cpu_us_per_token": per_token, "gpu_idle": round(idle / (idle + busy), 3),
+              "step_wall_ms": round((idle + busy) / steps * 1e3, 2),
+              "client_cores": round(client / wall, 2), "cpu_count": os.cpu_count(),
               "date": time.strftime("%Y-%m-%d")}  # fmt: skip
     print(json.dumps(result))
     if profile is not None and profile.exists():

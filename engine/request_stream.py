@@ -172,11 +172,14 @@ class EngineThread(Generic[Item]):
                 pending, self._inbox = self._inbox, []
             try:
                 self._work(pending)
+                hand_over_later = self._steps_on()
             except Exception as exc:  # a failed step fails its requests, not the engine
                 log.exception("event=step_failed")
                 self._fail(f"{type(exc).__name__}: {exc}")
+                hand_over_later = False
             self._publish()
-            self._outbox.flush()
+            if not hand_over_later:
+                self._outbox.flush()
 
     def _publish(self) -> None:
         """Write the scheduler's figures into the heartbeat file: after every step, and where a backend can, as soon
@@ -186,6 +189,12 @@ class EngineThread(Generic[Item]):
 
     def _idle(self) -> bool:
         raise NotImplementedError
+
+    def _steps_on(self) -> bool:
+        """Another step follows at once, and it hands this step's events over (``_outbox.flush()``) itself, once
+        its own work is on the device: the loop thread then turns them into chunks while the device computes,
+        instead of holding the GIL the next step's scheduling needs. False: they are handed over now."""
+        return False
 
     def _work(self, pending: list[Item]) -> None:
         """Take in ``pending`` (submitted since the last step), then run one step."""

@@ -161,6 +161,42 @@ def test_prefix_caching_changes_no_greedy_token(demo_path, tokenizer) -> None:
     assert tight.kv_blocks_free == tight.kv_blocks_total
 
 
+def test_a_steps_events_reach_the_loop_while_the_next_step_computes(demo_path, prompt_ids) -> None:
+    """The engine thread hands a step's token events to the event loop once the next step's work is launched (the
+    loop turns them into chunks while the device computes, not while the next step is being scheduled), and when
+    no step follows, at once: every stream gets every token, in order."""
+    import asyncio
+
+    engine = _engine(demo_path("bf16"))
+    run, waiting_at_launch = engine.runner.run, []
+
+    def recording_run(step, every_token=frozenset(), launched=lambda: None):
+        def launch() -> None:
+            waiting_at_launch.append((len(step), len(engine._outbox._events)))
+            launched()
+
+        return run(step, every_token, launch)
+
+    engine.runner.run = recording_run
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+    async def generate() -> list[list[int]]:
+        streams = [engine.submit(ids, params) for ids in prompt_ids[:3]]
+        engine.start()  # after the three are queued: the first step takes them all
+        return [[event.token_id async for event in stream if event.token_id is not None] for stream in streams]
+
+    try:
+        served = asyncio.run(generate())
+    finally:
+        engine.stop()
+    assert served == _engine(demo_path("bf16")).generate(prompt_ids[:3], params)
+    # The first step prefills the three prompts and samples their first tokens; each decode step after it finds
+    # the previous step's three events still waiting when it launches, and hands them over then.
+    assert waiting_at_launch[0] == (3, 0)
+    assert waiting_at_launch[1:] == [(3, 3)] * 5
+    assert not engine._outbox._events
+
+
 def test_stops_on_eos_and_max_tokens(demo_path, tokenizer) -> None:
     from engine.tokenizer import model_eos_ids
 

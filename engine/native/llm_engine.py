@@ -188,6 +188,9 @@ class LLMEngine(EngineThread[Sequence]):
     def _idle(self) -> bool:
         return self.scheduler.idle
 
+    def _steps_on(self) -> bool:
+        return not self.scheduler.idle  # and _step hands the events over, at the latest before it returns
+
     def _work(self, pending: list[Sequence]) -> None:
         for seq in pending:
             self.scheduler.add(seq)
@@ -217,6 +220,7 @@ class LLMEngine(EngineThread[Sequence]):
                 self._finish(seq, TokenEvent(None, "abort"))
         step = self.scheduler.schedule()
         if not step:
+            self._outbox.flush()
             return
         self._publish()
         self.stats.step_begin(step)
@@ -224,7 +228,7 @@ class LLMEngine(EngineThread[Sequence]):
         rows = [i for i, work in enumerate(step) if work.samples and work.seq.params.max_tokens]
         masks = self._fill_masks([step[i].seq for i in rows])  # while the forward runs
         scored = frozenset(i for i, work in enumerate(step) if _scores_prompt(work))
-        out = self.runner.run(step, scored)
+        out = self.runner.run(step, scored, launched=self._outbox.flush)  # the last step's events, while it runs
         for i, logits in out.all_logits.items():
             _collect_prompt_logprobs(step[i], logits)
         self.scheduler.computed(step)

@@ -13,6 +13,7 @@ import functools
 import itertools
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -128,9 +129,11 @@ class ModelRunner:
     # -- running ----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, step: list[Scheduled], every_token: frozenset[int] = frozenset()) -> StepOutput:
+    def run(self, step: list[Scheduled], every_token: frozenset[int] = frozenset(),
+            launched: Callable[[], None] = lambda: None) -> StepOutput:  # fmt: skip
         """Logits of each scheduled sequence's last token this step (meaningful where ``samples``), and of every
-        token of the sequences at the indexes ``every_token`` (prompt logprobs: such a step runs eagerly)."""
+        token of the sequences at the indexes ``every_token`` (prompt logprobs: such a step runs eagerly).
+        ``launched`` is called once the device has the step's work, before waiting for it."""
         seqs = len(step)
         decode = all(w.count == 1 for w in step)
         tokens = sum(w.count for w in step)
@@ -144,6 +147,7 @@ class ModelRunner:
             self._upload(n_seqs)
             graph, logits = self.graphs[key]  # capture_all() made every one
             graph.replay()
+            launched()
             torch.cuda.current_stream().synchronize()
             return StepOutput(logits[:seqs], self.argmax_host[:seqs].tolist())
         self._stage(step, tokens, seqs)
@@ -159,7 +163,9 @@ class ModelRunner:
             for i, (w, begin) in enumerate(zip(step, starts, strict=False)):
                 if i in every_token:
                     every[i] = self.model.logits(hidden[begin : begin + w.count]).float()
-        return StepOutput(logits, logits.argmax(dim=-1).tolist(), every)
+        argmax = logits.argmax(dim=-1)
+        launched()
+        return StepOutput(logits, argmax.tolist(), every)
 
     @torch.inference_mode()
     def hidden_states(self, step: list[Scheduled]) -> torch.Tensor:
