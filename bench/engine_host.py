@@ -9,9 +9,10 @@ synchronize), then logits made once and their argmax. Streaming clients read it 
 Reported: output tokens/s; CPU microseconds per generated token of the engine thread, the HTTP loop (the main
 thread) and the rest of the process (from /proc, per thread); the stand-in GPU's idle share between back-to-back
 steps (``gpu_idle``: the host's time from one step's end to the next one's launch, over the step's wall time,
-``step_wall_ms``); and the cores the clients used (on a machine of two cores they compete with the engine: read
-tokens/s there with that in mind). ``--profile``: that thread's functions under cProfile (its overhead inflates
-every figure: read them as shares).
+``step_wall_ms``), and the engine's own figure for it from its ``engine_stats`` lines (``engine_device_idle``);
+and the cores the clients used (on a machine of two cores they compete with the engine: read tokens/s there
+with that in mind). ``--profile``: that thread's functions under cProfile (its overhead inflates every figure:
+read them as shares).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -30,6 +32,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+DEVICE_IDLE = re.compile(r"device_idle=([\d.]+)")  # the engine's own figure, in its engine_stats lines
 GAPS_FILE = ".gpu.json"  # beside the engine's socket: the stand-in GPU's steps, busy and idle seconds
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 16}  # fmt: skip
@@ -74,7 +77,7 @@ def worker(socket_path: str, config: str, step_ms: float, profile: Path | None) 
             gpu["last"] = ended
             if gpu["steps"] % 50 == 0:
                 Path(socket_path + GAPS_FILE).write_text(json.dumps(gpu))
-            return StepOutput(logits_rows[:seqs], argmax[:seqs].tolist())
+            return StepOutput(logits_rows[:seqs], argmax[:seqs].tolist(), device_seconds=ended - began)
 
         runner.run = run
 
@@ -196,9 +199,12 @@ def main() -> None:
         asyncio.run(load(socket_path, args.streams, 2.0, args.max_tokens))  # warm: every stream once
         before, t, client = thread_cpu(proc.pid), time.perf_counter(), time.process_time()
         gpu_before = json.loads(Path(socket_path + GAPS_FILE).read_text())
+        log_offset = (tmp / "worker.log").stat().st_size
         tokens = asyncio.run(load(socket_path, args.streams, args.seconds, args.max_tokens))
         wall, after, client = time.perf_counter() - t, thread_cpu(proc.pid), time.process_time() - client
         gpu_after = json.loads(Path(socket_path + GAPS_FILE).read_text())
+        stats_lines = [line for line in (tmp / "worker.log").read_text()[log_offset:].splitlines()
+                       if "event=engine_stats" in line]  # fmt: skip
     finally:
         proc.terminate()
         proc.wait(60)
@@ -208,6 +214,7 @@ def main() -> None:
               "tok_s": round(tokens / wall), "ideal_tok_s": round(args.streams / args.step_ms * 1e3),
               "cpu_us_per_token": per_token, "gpu_idle": round(idle / (idle + busy), 3),
               "step_wall_ms": round((idle + busy) / steps * 1e3, 2),
+              "engine_device_idle": [float(m) for line in stats_lines for m in DEVICE_IDLE.findall(line)],
               "client_cores": round(client / wall, 2), "cpu_count": os.cpu_count(),
               "date": time.strftime("%Y-%m-%d")}  # fmt: skip
     print(json.dumps(result))

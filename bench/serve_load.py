@@ -72,6 +72,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 EVENT = re.compile(rb"\bevent=([A-Za-z_][\w.]*)")
+FIELD = re.compile(rb"\b(\w+)=([^\s\"]+)")
 
 
 def say(*parts: Any) -> None:
@@ -614,18 +615,43 @@ class LogWatch:
     def mark(self) -> None:
         self.offsets = {p: p.stat().st_size for p in self.files() if p.exists()}
 
-    def events(self) -> dict[str, dict[str, int]]:
-        out: dict[str, dict[str, int]] = {}
+    def _since_mark(self) -> dict[Path, bytes]:
+        out: dict[Path, bytes] = {}
         for path in self.files():
             if not path.exists():
                 continue
             with path.open("rb") as f:
                 start = self.offsets.get(path, 0)
                 f.seek(start if start <= path.stat().st_size else 0)
-                counts = Counter(m.group(1).decode() for m in EVENT.finditer(f.read()))
+                out[path] = f.read()
+        return out
+
+    def events(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        for path, text in self._since_mark().items():
+            counts = Counter(m.group(1).decode() for m in EVENT.finditer(text))
             if counts:
                 out[path.name] = dict(counts)
         return out
+
+    def engine_steps(self) -> dict[str, float | None] | None:
+        """The engines' `engine_stats` lines since the mark, weighted by their steps: step and device times, and the
+        device's idle share between steps that followed one another."""
+        rows = [dict(FIELD.findall(line)) for text in self._since_mark().values()
+                for line in text.splitlines() if b"event=engine_stats" in line]  # fmt: skip
+        rows = [{k.decode(): float(v) for k, v in row.items() if v.replace(b".", b"").isdigit()} for row in rows]
+        rows = [row for row in rows if row.get("steps")]
+        if not rows:
+            return None
+        steps = sum(row["steps"] for row in rows)
+
+        def mean(key: str) -> float | None:
+            have = [row for row in rows if key in row]
+            weight = sum(row["steps"] for row in have)
+            return round(sum(row[key] * row["steps"] for row in have) / weight, 3) if weight else None
+
+        return {"lines": len(rows), "steps": steps, "step_ms_mean": mean("step_ms_mean"),
+                "device_ms_mean": mean("device_ms_mean"), "device_idle": mean("device_idle")}  # fmt: skip
 
 
 def restart_key(r: dict[str, Any]) -> str:
@@ -887,6 +913,7 @@ class Bench:
                   "new_relay_pids": sorted(relays_after - relays_before) if relays_before else None,
                   "relays": (after or {}).get("relays"), "supervisor": (after or {}).get("supervisor"),
                   "memory": {e.get("id"): e.get("memory") for e in (after or {}).get("engines") or []},
+                  "engine_steps": self.logs.engine_steps(),
                   "gpu_processes": gpu_processes(),
                   "samples": compact(recs, a.started)}  # fmt: skip
         result["levels"].append(record)
@@ -897,7 +924,8 @@ class Bench:
             f"TTFT p50 {ttft:.1f} ms, TPOT p50 {tpot:.1f} ms, crash restarts {record['crash_restarts']}, "
             f"engine_hung {totals.get('engine_hung', 0)}, gateway ({cpu['gateway_kind']}) "
             f"{fmt(gw.get('us_per_token'))} µs/tok, engine {fmt(g.get('engine', {}).get('us_per_token'))} µs/tok, "
-            f"client max {fmt(client.get('max_proc_cpu_fraction'), '.2f')} core"
+            f"client max {fmt(client.get('max_proc_cpu_fraction'), '.2f')} core, "
+            f"device idle {fmt((record['engine_steps'] or {}).get('device_idle'), '.3f')}"
             + (" (truncated at the deadline)" if record["truncated"] else ""))  # fmt: skip
         if stats["error_kinds"]:
             say(f"  errors: {json.dumps(stats['error_kinds'])[:600]}")

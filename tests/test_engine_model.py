@@ -161,12 +161,16 @@ def test_prefix_caching_changes_no_greedy_token(demo_path, tokenizer) -> None:
     assert tight.kv_blocks_free == tight.kv_blocks_total
 
 
-def test_a_steps_events_reach_the_loop_while_the_next_step_computes(demo_path, prompt_ids) -> None:
+def test_a_steps_events_reach_the_loop_while_the_next_step_computes(demo_path, prompt_ids, monkeypatch) -> None:
     """The engine thread hands a step's token events to the event loop once the next step's work is launched (the
     loop turns them into chunks while the device computes, not while the next step is being scheduled), and when
-    no step follows, at once: every stream gets every token, in order."""
+    no step follows, at once: every stream gets every token, in order. The step statistics see the device's time
+    in the steps and the host's between them."""
     import asyncio
 
+    from engine.native import llm_engine
+
+    monkeypatch.setattr(llm_engine, "STATS_INTERVAL", 1e9)  # one window: no reset while the test runs
     engine = _engine(demo_path("bf16"))
     run, waiting_at_launch = engine.runner.run, []
 
@@ -179,6 +183,9 @@ def test_a_steps_events_reach_the_loop_while_the_next_step_computes(demo_path, p
 
     engine.runner.run = recording_run
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+    stats = engine.stats
+    before = (stats.steps, stats.device, stats.span, stats.spanned_device)  # its start-up's steps
 
     async def generate() -> list[list[int]]:
         streams = [engine.submit(ids, params) for ids in prompt_ids[:3]]
@@ -195,6 +202,11 @@ def test_a_steps_events_reach_the_loop_while_the_next_step_computes(demo_path, p
     assert waiting_at_launch[0] == (3, 0)
     assert waiting_at_launch[1:] == [(3, 3)] * 5
     assert not engine._outbox._events
+    steps, device, span, spanned = (now - then for now, then in zip(
+        (stats.steps, stats.device, stats.span, stats.spanned_device), before, strict=True))  # fmt: skip
+    assert steps == 6 and device > 0
+    # Six steps, each but the last followed at once: five spans, each holding its step's device time and more.
+    assert 0 < spanned < device and spanned < span
 
 
 def test_stops_on_eos_and_max_tokens(demo_path, tokenizer) -> None:

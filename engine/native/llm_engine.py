@@ -229,6 +229,7 @@ class LLMEngine(EngineThread[Sequence]):
         masks = self._fill_masks([step[i].seq for i in rows])  # while the forward runs
         scored = frozenset(i for i, work in enumerate(step) if _scores_prompt(work))
         out = self.runner.run(step, scored, launched=self._outbox.flush)  # the last step's events, while it runs
+        self.stats.device_time(out.device_seconds)
         for i, logits in out.all_logits.items():
             _collect_prompt_logprobs(step[i], logits)
         self.scheduler.computed(step)
@@ -309,16 +310,27 @@ class StepStats:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.queried = self.hit = 0  # the allocator's prefix-cache counters at the last engine_stats line
+        # The last step's start and device time, and whether the step after it followed at once (work was left).
+        self._last: tuple[float, float] | None = None
+        self._follows = False
         self._reset(time.perf_counter())
 
     def _reset(self, now: float) -> None:
         self.since = now
         self.steps = self.prompt_tokens = self.generated = 0
-        self.busy = self.longest = 0.0
+        self.busy = self.longest = self.device = 0.0
+        # Steps that followed one another at once: from one's start to the next one's, and the device's time in
+        # them. What the device did not spend of it, the host did (scheduling, staging, sampling, waiting for the
+        # GIL): the device's idle share.
+        self.span = self.spanned_device = 0.0
         self._began: float | None = None
 
     def step_begin(self, step: list[Any]) -> None:
-        self._began = time.perf_counter()
+        self._began = now = time.perf_counter()
+        if self._follows and self._last is not None:
+            self.span += now - self._last[0]
+            self.spanned_device += self._last[1]
+        self._last = None
         self.steps += 1
         for work in step:
             if work.samples:
@@ -326,11 +338,19 @@ class StepStats:
             if work.start < len(work.seq.prompt):
                 self.prompt_tokens += min(work.count, len(work.seq.prompt) - work.start)
 
+    def device_time(self, seconds: float) -> None:
+        """The device's time on the step begun last."""
+        assert self._began is not None
+        self.device += seconds
+        self._last = (self._began, seconds)
+
     def step_done(self) -> None:
         if self._began is None:  # nothing was scheduled
+            self._follows = False
             return
         now = time.perf_counter()
         took, self._began = now - self._began, None
+        self._follows = not self.engine.scheduler.idle
         self.busy += took
         self.longest = max(self.longest, took)
         if now - self.since >= STATS_INTERVAL and self.steps:
@@ -344,6 +364,8 @@ class StepStats:
                       waiting=len(scheduler.waiting), kv_usage=1 - allocator.free / total,
                       prefix_hit_rate=round(hit / queried, 3) if queried else 0.0,
                       steps=self.steps, step_ms_mean=1e3 * self.busy / self.steps, step_ms_max=1e3 * self.longest,
+                      device_ms_mean=1e3 * self.device / self.steps,
+                      device_idle=round(1 - self.spanned_device / self.span, 3) if self.span else None,
                       busy=self.busy / window, preemptions=scheduler.preemptions)  # fmt: skip
             self._reset(now)
 

@@ -41,6 +41,7 @@ class StepOutput:
     logits: torch.Tensor  # [S, vocab] float32, row s for the step's s-th sequence
     argmax: list[int]  # row-wise argmax of logits
     all_logits: dict[int, torch.Tensor] = field(default_factory=dict)  # s -> [count, vocab]: every token's (asked)
+    device_seconds: float = 0.0  # the device's time on the step's work (CUDA events; on the CPU the forward's)
 
 
 class ModelRunner:
@@ -72,6 +73,7 @@ class ModelRunner:
         self.mixed_sizes = mixed_buckets(self.max_tokens)
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.capture_parts: dict[str, float] = {}  # host seconds spent warming up, capturing, replaying graphs
+        self.clock = DeviceClock(self.device)
 
     # -- inputs ----------------------------------------------------------------------------
 
@@ -146,15 +148,18 @@ class ModelRunner:
             self._stage(step, n_tokens, n_seqs)
             self._upload(n_seqs)
             graph, logits = self.graphs[key]  # capture_all() made every one
+            self.clock.start()
             graph.replay()
+            self.clock.stop()
             launched()
             torch.cuda.current_stream().synchronize()
-            return StepOutput(logits[:seqs], self.argmax_host[:seqs].tolist())
+            return StepOutput(logits[:seqs], self.argmax_host[:seqs].tolist(), device_seconds=self.clock.seconds())
         self._stage(step, tokens, seqs)
         self._upload(seqs)
         batch = self._batch(tokens, seqs, max(w.count for w in step))
         if self.device.type == "cpu":
             self._host_metadata(batch, step)
+        self.clock.start()
         hidden = self.model.forward(batch, self.kv)
         logits = self.model.logits(hidden[batch.logits_indices])
         every: dict[int, torch.Tensor] = {}
@@ -164,8 +169,10 @@ class ModelRunner:
                 if i in every_token:
                     every[i] = self.model.logits(hidden[begin : begin + w.count]).float()
         argmax = logits.argmax(dim=-1)
+        self.clock.stop()
         launched()
-        return StepOutput(logits, argmax.tolist(), every)
+        argmax_ids = argmax.tolist()
+        return StepOutput(logits, argmax_ids, every, device_seconds=self.clock.seconds())
 
     @torch.inference_mode()
     def hidden_states(self, step: list[Scheduled]) -> torch.Tensor:
@@ -255,6 +262,35 @@ class ModelRunner:
 
 
 @functools.cache
+class DeviceClock:
+    """The device's time on one step: CUDA events around its work on the current stream (read once the step is
+    waited for), or on the CPU, where the work is done when the call returns, the host's clock."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        self._began = self._ended = 0.0
+
+    def start(self) -> None:
+        if self.cuda:
+            self._events[0].record()
+        else:
+            self._began = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            self._events[1].record()
+        else:
+            self._ended = time.perf_counter()
+
+    def seconds(self) -> float:
+        """After the step was waited for."""
+        if self.cuda:
+            return self._events[0].elapsed_time(self._events[1]) / 1e3
+        return self._ended - self._began
+
+
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
     """The stream warm-ups and captures run on: one per device and process, since torch keeps a cuBLAS
     workspace (32 MiB on the H200) for every stream that ever ran a GEMM."""
