@@ -4,7 +4,8 @@ runner's step as a CUDA graph's looks from the host: its inputs staged and copie
 upload), then a sleep of ``--step-ms`` (the GPU's step: the engine thread waits without the GIL, as in a CUDA
 synchronize), then logits made once and their argmax. Streaming clients read it on its socket, as the relays do.
 
-    python bench/engine_host.py [--streams 64] [--step-ms 6] [--seconds 20] [--profile engine|loop] [--out FILE]
+    python bench/engine_host.py [--streams 64] [--step-ms 6] [--seconds 20] [--logprobs N]
+                                [--profile engine|loop] [--out FILE]
 
 Reported: output tokens/s; CPU microseconds per generated token of the engine thread, the HTTP loop (the main
 thread) and the rest of the process (from /proc, per thread); the stand-in GPU's idle share between back-to-back
@@ -136,7 +137,7 @@ def thread_cpu(pid: int) -> dict[str, float]:
     return out
 
 
-async def load(socket_path: str, streams: int, seconds: float, max_tokens: int) -> int:
+async def load(socket_path: str, streams: int, seconds: float, max_tokens: int, extra: dict[str, Any]) -> int:
     """Streaming completions from ``streams`` clients for ``seconds``: the tokens they got."""
     import httpx
 
@@ -145,7 +146,7 @@ async def load(socket_path: str, streams: int, seconds: float, max_tokens: int) 
     tokens = 0
     deadline = time.monotonic() + seconds
     body = {"prompt": "Count: one, two, three,", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}  # fmt: skip
+            "stream": True, **extra}  # fmt: skip
 
     async def client() -> None:
         nonlocal tokens
@@ -169,6 +170,7 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=6.0)
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--logprobs", type=int, help="each request asks for this many alternatives per token")
     parser.add_argument("--profile", choices=("engine", "loop"), help="profile this thread")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
@@ -196,11 +198,12 @@ def main() -> None:
             if proc.poll() is not None:
                 raise SystemExit((tmp / "worker.log").read_text()[-3000:])
             time.sleep(0.1)
-        asyncio.run(load(socket_path, args.streams, 2.0, args.max_tokens))  # warm: every stream once
+        extra = {"logprobs": args.logprobs} if args.logprobs is not None else {}
+        asyncio.run(load(socket_path, args.streams, 2.0, args.max_tokens, extra))  # warm: every stream once
         before, t, client = thread_cpu(proc.pid), time.perf_counter(), time.process_time()
         gpu_before = json.loads(Path(socket_path + GAPS_FILE).read_text())
         log_offset = (tmp / "worker.log").stat().st_size
-        tokens = asyncio.run(load(socket_path, args.streams, args.seconds, args.max_tokens))
+        tokens = asyncio.run(load(socket_path, args.streams, args.seconds, args.max_tokens, extra))
         wall, after, client = time.perf_counter() - t, thread_cpu(proc.pid), time.process_time() - client
         gpu_after = json.loads(Path(socket_path + GAPS_FILE).read_text())
         stats_lines = [line for line in (tmp / "worker.log").read_text()[log_offset:].splitlines()
@@ -210,7 +213,8 @@ def main() -> None:
         proc.wait(60)
     steps, busy, idle = (gpu_after[k] - gpu_before[k] for k in ("steps", "busy", "idle"))
     per_token = {k: round((after.get(k, 0) - before.get(k, 0)) / tokens * 1e6, 2) for k in after}
-    result = {"streams": args.streams, "step_ms": args.step_ms, "seconds": round(wall, 1), "tokens": tokens,
+    result = {"streams": args.streams, "logprobs": args.logprobs, "step_ms": args.step_ms, "seconds": round(wall, 1),
+              "tokens": tokens,
               "tok_s": round(tokens / wall), "ideal_tok_s": round(args.streams / args.step_ms * 1e3),
               "cpu_us_per_token": per_token, "gpu_idle": round(idle / (idle + busy), 3),
               "step_wall_ms": round((idle + busy) / steps * 1e3, 2),
