@@ -128,7 +128,7 @@ class ChoiceResume(OpenAIModel):
     """Where one choice of a request with several stood when its engine failed."""
 
     index: int = Field(ge=0, lt=MAX_CHOICES)
-    output_ids: list[int] = []
+    output_ids: list[int] = Field(default_factory=list)
     chars: int = Field(0, ge=0)
     finished: bool = False  # its last event reached the client: nothing more to generate
 
@@ -494,7 +494,7 @@ class TopLogprob(OpenAIModel):
 
 
 class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = []
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
 
 
 class ChatLogprobs(OpenAIModel):
@@ -506,10 +506,10 @@ class ChatLogprobs(OpenAIModel):
 class CompletionLogprobs(OpenAIModel):
     """A text completion choice's logprobs, in the legacy shape: parallel lists, one entry per token."""
 
-    tokens: list[str] = []
-    token_logprobs: list[float | None] = []
-    top_logprobs: list[dict[str, float] | None] = []
-    text_offset: list[int] = []
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
 
 
 class AssistantMessage(OpenAIModel):
