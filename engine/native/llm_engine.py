@@ -225,9 +225,15 @@ class LLMEngine(EngineThread[Sequence]):
         self._publish()
         self.stats.step_begin(step)
         # Partial prompt chunks sample nothing, nor does a prompt only scored (max_tokens 0).
-        rows = [i for i, work in enumerate(step) if work.samples and work.seq.params.max_tokens]
+        rows: list[int] = []
+        scoring: list[int] = []
+        for i, work in enumerate(step):
+            if work.samples and work.seq.params.max_tokens:
+                rows.append(i)
+            if _scores_prompt(work):
+                scoring.append(i)
         masks = self._fill_masks([step[i].seq for i in rows])  # while the forward runs
-        scored = frozenset(i for i, work in enumerate(step) if _scores_prompt(work))
+        scored = frozenset(scoring)
         out = self.runner.run(step, scored, launched=self._outbox.flush)  # the last step's events, while it runs
         self.stats.device_time(out.device_seconds)
         for i, logits in out.all_logits.items():

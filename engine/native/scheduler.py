@@ -75,15 +75,16 @@ class Sequence:
 
 @dataclass(frozen=True)
 class Scheduled:
-    """One sequence's share of a step: tokens computed..computed+count-1; sampled when they reach its end."""
+    """One sequence's share of a step: tokens computed..computed+count-1; sampled when they reach its end (as it
+    stands when the step is scheduled: ``samples`` is read before the step's token is appended)."""
 
     seq: Sequence
     start: int
     count: int
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        return self.start + self.count == self.seq.length
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "samples", self.start + self.count == self.seq.length)
 
 
 class Scheduler:
