@@ -261,7 +261,6 @@ class ModelRunner:
         self.graphs[key] = (graph, out)
 
 
-@functools.cache
 class DeviceClock:
     """The device's time on one step: CUDA events around its work on the current stream (read once the step is
     waited for), or on the CPU, where the work is done when the call returns, the host's clock."""
@@ -291,6 +290,7 @@ class DeviceClock:
         return self._ended - self._began
 
 
+@functools.cache
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
     """The stream warm-ups and captures run on: one per device and process, since torch keeps a cuBLAS
     workspace (32 MiB on the H200) for every stream that ever ran a GEMM."""
