@@ -130,6 +130,10 @@ def busy_then_at_rest(gateway: Gateway, backend: str, max_tokens: int) -> None:
                          streams, f"{IN_RELAYS} requests waiting in the relays")  # fmt: skip
             await _until(lambda: engine_health(gateway)["running"] == MAX_NUM_SEQS, streams,
                          f"the engine running {MAX_NUM_SEQS} sequences (its /health)")  # fmt: skip
+            # The engine writes its heartbeat after each step: the request it queued last shows once a step ended.
+            queued = IN_RELAYS + BACKLOG
+            await _until(lambda: value(router_metrics(gateway.url), "vllm:num_requests_waiting") == queued, streams,
+                         f"{IN_RELAYS} requests waiting in the relays and {BACKLOG} in the engine")  # fmt: skip
             await _check_busy(gateway, backend)
             # Saturated (requests wait in the engine and in the relays) and still ready: /ready asks the engine
             # nothing, so it does not queue behind them (a 1-token probe there would wait for a 1000-token answer).
@@ -162,7 +166,8 @@ async def _until(condition: Any, streams: list[asyncio.Task[None]], what: str) -
 
 async def _check_busy(gateway: Gateway, backend: str) -> None:
     """Six streams on an engine of two sequences and a backlog of one: two run, one waits in the engine, three
-    wait in the relays; the KV cache in use lies between what the engine said just before and just after."""
+    wait in the relays; the KV cache in use lies between what the engine said just after and a step before just
+    before (the heartbeat is written after each step, and a step adds at most a block to each sequence)."""
     before = await asyncio.to_thread(engine_health, gateway)
     busy = await asyncio.to_thread(router_metrics, gateway.url)
     after = await asyncio.to_thread(engine_health, gateway)
@@ -174,7 +179,8 @@ async def _check_busy(gateway: Gateway, backend: str) -> None:
     # Two sequences that only grow (none finishes, none is preempted): their blocks in use only grow too.
     usage = value(busy, "vllm:kv_cache_usage_perc")
     kv_before, kv_after = used(before, backend), used(after, backend)
-    assert 0 < kv_before <= usage <= kv_after < 1, (kv_before, usage, kv_after)
+    a_step = MAX_NUM_SEQS / usable(before, backend)  # a block for each running sequence, at most
+    assert kv_before > 0 and kv_before - a_step <= usage <= kv_after < 1, (kv_before, usage, kv_after)
     for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
         assert busy[name][0] == {"model_name": MODEL_NAME}
 
