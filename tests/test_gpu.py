@@ -14,6 +14,9 @@ from cache.processors.native import FP8_BLOCK_SCALED_MM, process_linear, select_
 
 pytestmark = pytest.mark.gpu
 BLOCK = LinearScheme(WeightKind.FP8_BLOCK, Activations.DYNAMIC_GROUP)
+# The engines of these tests share the device within one process: each gets a small KV cache, not the share of the
+# device the memory plan would give it (engine/memory_plan.py), which the next test's engine would not find free.
+KV_BYTES = 2 << 30
 
 
 @pytest.mark.parametrize(("n", "k"), [(576, 1536), (192, 576), (1024, 2048), (4096, 4096)])
@@ -77,13 +80,14 @@ def test_cuda_graph_decode_equals_eager(tmp_path: Path) -> None:
     path = synth_checkpoint(tmp_path / "q", "qwen3-0.6b", "fp8-block", num_layers=2, device="cuda", progress=False)
     prompts = [[5, 6, 7] * 9, [11, 12] * 4, [3] * 40]
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
-    graphed = LLMEngine(EngineConfig(model=path, device="cuda", max_num_seqs=4, max_model_len=256,
-                                     max_num_batched_tokens=64))  # fmt: skip
+    graphed = LLMEngine(EngineConfig(model=path, device="cuda", kv_cache_bytes=KV_BYTES, max_num_seqs=4,
+                                     max_model_len=256, max_num_batched_tokens=64))  # fmt: skip
     runner = graphed.runner
     expected = {("decode", b) for b in runner.decode_sizes} | {("mixed", t) for t in runner.mixed_sizes}
     assert set(runner.graphs) == expected, "every graph is captured at start-up"
     a = graphed.generate(prompts, params)
-    eager = LLMEngine(EngineConfig(model=path, device="cuda", max_num_seqs=4, max_model_len=256, cuda_graphs=False))
+    eager = LLMEngine(EngineConfig(model=path, device="cuda", kv_cache_bytes=KV_BYTES, max_num_seqs=4,
+                                   max_model_len=256, cuda_graphs=False))  # fmt: skip
     assert a == eager.generate(prompts, params)
 
 
@@ -248,8 +252,8 @@ def test_every_prompt_length_through_the_engine_matches_the_dequantized_referenc
     from engine.native.llm_engine import LLMEngine
 
     path = synth_checkpoint(tmp_path / "l", "llama3-8b", "fp8-block", num_layers=2, device="cuda", progress=False)
-    engine = LLMEngine(EngineConfig(model=path, device="cuda", max_num_seqs=32, max_model_len=4200,
-                                    max_num_batched_tokens=1024))  # fmt: skip
+    engine = LLMEngine(EngineConfig(model=path, device="cuda", kv_cache_bytes=KV_BYTES, max_num_seqs=32,
+                                    max_model_len=4200, max_num_batched_tokens=1024))  # fmt: skip
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 128000, (4096,), generator=gen).tolist()
     ref = _reference_logits(path, tokens)
@@ -332,7 +336,14 @@ def test_cuda_attach_gives_the_disk_outputs_without_copying_weights(tmp_path: Pa
 
     path = synth_checkpoint(tmp_path / "q", "qwen3-0.6b", "fp8-block", num_layers=2, device="cuda", progress=False)
     sock = tmp_path / "run" / "cache.sock"
-    base = {"model": path, "device": "cuda", "max_num_seqs": 2, "max_model_len": 128, "cache_socket": sock}
+    base = {
+        "model": path,
+        "device": "cuda",
+        "kv_cache_bytes": KV_BYTES,
+        "max_num_seqs": 2,
+        "max_model_len": 128,
+        "cache_socket": sock,
+    }
     prompts, params = [[5, 6, 7] * 9, [11, 12] * 4], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     disk = LLMEngine(EngineConfig(**base)).generate(prompts, params)
     fallback = LLMEngine(EngineConfig(**base, weights="ipc-or-disk"))

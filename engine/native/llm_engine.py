@@ -93,8 +93,10 @@ class LLMEngine(EngineThread[Sequence]):
         if self.device.type == "cuda":
             seqs = config.max_num_seqs or default_max_num_seqs("cuda")
             weights = sum(t.nbytes for t in loaded.weights.tensors.values() if t.device.type == "cuda")
+            # What this process's allocator holds unused goes back first: its segments, left by an earlier engine
+            # in the same process, are not one piece a KV cache of that size could be allocated from.
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
-            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)  # ours, unused
             device = DeviceMemory(total=total, free=free, fraction=config.gpu_memory_fraction, weights=weights,
                                   shared_weights=loaded.source == "ipc",
                                   working=working_bytes(shape, config.max_num_batched_tokens, seqs),
