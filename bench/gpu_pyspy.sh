@@ -8,11 +8,11 @@ SPY=$(find /tmp/site -name "py-spy" -type f | head -1); [ -n "$SPY" ] || { pytho
 mkdir -p $OUT
 for V in "$@"; do N=${V/=/}
 python3 bench/serve_load.py --model /tmp/wg/llama3-8b-fp8-block --device cuda --max-num-seqs 128 \
-  --kv-cache-bytes 20000000000 --out /tmp/gpuout/jp --concurrency 64 --requests-per-client 6 --direct-concurrency 0 \
+  --kv-cache-bytes 20000000000 --out /tmp/gpuout/jp --concurrency 64 --requests-per-client ${PYSPY_REQUESTS:-30} --direct-concurrency 0 \
   --restart-probe 0 --variants $V --restart-set standby=0 > $OUT/jp-$N.log 2>&1 &
 BL=$!
 for i in $(seq 240); do grep -q "$V: 64 warm-up" $OUT/jp-$N.log && break; sleep 1; done
-sleep 12
+sleep 5  # the level lasts ~30 s at 8,000-9,000 tok/s: record 10 s of it
 ps -eo pid,args | grep -E "engine .* active" | grep -v grep | tee $OUT/ps-$N.txt
 PID=$(ps -eo pid,args | grep -E "engine .* active" | grep -v grep | awk '{print $1}' | head -1)
 "$SPY" dump --pid $PID > $OUT/dump1-$N.txt 2>&1

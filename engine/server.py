@@ -57,7 +57,7 @@ from engine.protocol import (
     WeightsInfo,
     random_id,
 )
-from engine.responses import assemble
+from engine.responses import LogprobsJSON, assemble
 from engine.text import Answer, Delta, EngineFailure, TextGeneration
 from engine.tokenizer import ChatTemplateError, ChatTokenizer
 from engine.tools import ToolCallText
@@ -233,6 +233,7 @@ class EngineAPI:
     def __init__(self, engine: ServingEngine, tokenizer: ChatTokenizer) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
+        self.logprobs_json = LogprobsJSON(tokenizer.token_text, tokenizer.token_bytes)
         self.admission = Admission()
         self.model_name = engine.config.name
         self._grammars: asyncio.Future[Grammars] | None = None
@@ -395,12 +396,24 @@ class EngineAPI:
         return CompletionChoice(index=index, text=prompt if prompt is not None else "".join(pieces),
                                 finish_reason=None, logprobs=lps)  # fmt: skip
 
+    def logprobs_of(self, chat: bool, generation: TextGeneration, delta: Delta) -> str:
+        """The JSON of a chunk's logprobs (``chat_logprobs`` or ``completion_logprobs``, written faster)."""
+        if chat:
+            return self.logprobs_json.chat(delta.logprobs)
+        written, generation.text_offset = self.logprobs_json.completion(delta.logprobs, self.text_offset(generation))
+        return written
+
+    def text_offset(self, generation: TextGeneration) -> int:
+        """Where the completion's next token's text begins (after what another engine generated, on a resume)."""
+        if generation.text_offset is None:
+            generation.text_offset = sum(len(self.tokenizer.token_text(t)) for t in generation.resumed_ids)
+        return generation.text_offset
+
     def completion_logprobs(self, generation: TextGeneration, delta: Delta) -> CompletionLogprobs:
         """A text completion chunk's logprobs, in the legacy shape; ``top_logprobs`` holds the sampled token too,
         as OpenAI's and vLLM's do, and ``text_offset`` counts the tokens' text from the completion's start."""
         text = self.tokenizer.token_text
-        if generation.text_offset is None:
-            generation.text_offset = sum(len(text(t)) for t in generation.resumed_ids)
+        generation.text_offset = self.text_offset(generation)
         out = CompletionLogprobs()
         for token, lp in delta.logprobs:
             piece = text(token)
@@ -499,16 +512,19 @@ class EngineAPI:
         text = request if isinstance(request, CompletionRequest) else None
         echo = {c.index for c in answer.choices} if text is not None and text.echoes() else set()
         logprobs = request.requested_logprobs() is not None
-        # Most chunks carry text alone: written from a template the models made once per choice (TextChunks).
-        texts = TextChunks(lambda index: chunk([self.text_choice(chat, index, TextChunks.SLOT)]))
+        # Most chunks carry text alone, or text and its tokens' logprobs: written from a template the models made
+        # once per choice (TextChunks).
+        texts = TextChunks(lambda index, scores: chunk([self.text_choice(chat, index, TextChunks.SLOT, scores)]),
+                           TextChunks.logprobs_slot(chat) if logprobs else None)  # fmt: skip
         try:
             async for choice, delta in answer.deltas():
                 if choice.index in echo:  # its prompt first, with its logprobs (they came with the first token)
                     echo.discard(choice.index)
                     prompt = text.prompt_text(choice.index // (request.n or 1)) if text is not None else None
                     yield chunk([self.echo_choice(prompt, choice, logprobs)])
-                if delta.text and not (delta.finish_reason or logprobs or delta.tool_calls):
-                    yield _with_ids(texts.event(choice.index, delta.text), answer, choice, delta)
+                if delta.text and not (delta.finish_reason or delta.tool_calls):
+                    scores = self.logprobs_of(chat, choice, delta) if logprobs else ""
+                    yield _with_ids(texts.event(choice.index, delta.text, scores), answer, choice, delta)
                 elif delta.text or delta.finish_reason or delta.logprobs:
                     yield _with_ids(chunk([self.delta_choice(chat, choice, delta, logprobs)]), answer, choice, delta)
         except EngineFailure as exc:
@@ -538,30 +554,52 @@ class EngineAPI:
                                          logprobs=self.chat_logprobs(delta) if logprobs else None)  # fmt: skip
 
     @staticmethod
-    def text_choice(chat: bool, index: int, text: str) -> ChatCompletionChunkChoice | CompletionChoice:
-        """A chunk's choice that carries text alone."""
+    def text_choice(chat: bool, index: int, text: str,
+                    scores: BaseModel | None = None) -> ChatCompletionChunkChoice | CompletionChoice:  # fmt: skip
+        """A chunk's choice that carries text alone, or text and its tokens' logprobs (``scores``)."""
         if chat:
-            return ChatCompletionChunkChoice(index=index, delta=DeltaMessage(content=text or None))
-        return CompletionChoice(index=index, text=text, finish_reason=None)
+            return ChatCompletionChunkChoice(index=index, delta=DeltaMessage(content=text or None),
+                                             logprobs=scores)  # type: ignore[arg-type]  # fmt: skip
+        return CompletionChoice(index=index, text=text, finish_reason=None, logprobs=scores)  # type: ignore[arg-type]
 
 
 class TextChunks:
-    """The SSE events of chunks that carry text alone, written from a template per choice: the event the models
-    write for a placeholder text, cut around it (the same JSON, without building three models per token)."""
+    """The SSE events of chunks that carry text alone, or text and its tokens' logprobs, written from a template per
+    choice: the event the models write for a placeholder text (and placeholder logprobs), cut around them (the same
+    JSON, without building three models per token, or nine with logprobs)."""
 
     SLOT = "warmgate-text-slot-5f0c1e"
+    LOGPROBS_SLOT = "warmgate-logprobs-slot-5f0c1e"
 
-    def __init__(self, render: Callable[[int], str]) -> None:
-        self._render = render  # the event of choice ``index`` whose text is SLOT
-        self._templates: dict[int, tuple[str, str]] = {}
+    def __init__(self, render: Callable[[int, BaseModel | None], str], logprobs: BaseModel | None = None) -> None:
+        self._render = render  # the event of choice ``index`` whose text is SLOT and whose logprobs are the 2nd
+        self._logprobs = logprobs  # the logprobs' placeholder; None: the chunks carry none
+        self._templates: dict[int, tuple[str, ...]] = {}
 
-    def event(self, index: int, text: str) -> str:
+    @classmethod
+    def logprobs_slot(cls, chat: bool) -> BaseModel:
+        """Placeholder logprobs of a chat or a text completion chunk (their JSON is in the event once)."""
+        if chat:
+            return ChatLogprobs(content=[ChatTokenLogprob(token=cls.LOGPROBS_SLOT, logprob=0.0)])
+        return CompletionLogprobs(tokens=[cls.LOGPROBS_SLOT])
+
+    def event(self, index: int, text: str, logprobs: str = "") -> str:
+        """The event of choice ``index`` carrying ``text`` and, if the chunks carry them, ``logprobs`` (their JSON)."""
         template = self._templates.get(index)
         if template is None:
-            before, slot, after = self._render(index).partition(json.dumps(self.SLOT))
-            assert slot and self.SLOT not in after, "the placeholder is in the event once"
-            template = self._templates[index] = (before, after)
-        return f"{template[0]}{encode_basestring(text)}{template[1]}"
+            template = self._templates[index] = self._cut(index)
+        if self._logprobs is None:
+            return f"{template[0]}{encode_basestring(text)}{template[1]}"
+        return f"{template[0]}{encode_basestring(text)}{template[1]}{logprobs}{template[2]}"
+
+    def _cut(self, index: int) -> tuple[str, ...]:
+        before, slot, after = self._render(index, self._logprobs).partition(json.dumps(self.SLOT))
+        assert slot and self.SLOT not in after, "the text's placeholder is in the event once"
+        if self._logprobs is None:
+            return before, after
+        middle, slot, end = after.partition(self._logprobs.model_dump_json())
+        assert slot, "the logprobs' placeholder comes after the text's"
+        return before, middle, end
 
 
 def _choice_states(resume: Resume | None) -> dict[int, ChoiceResume]:

@@ -1,11 +1,17 @@
 """The chunks most of a stream is made of, written without building models per token (engine/server.py's
-TextChunks, engine/internal_stream.py's token_note), are the very bytes the models write."""
+TextChunks, engine/responses.py's LogprobsJSON, engine/internal_stream.py's token_note), are what the models
+write: the very bytes, or for logprobs the same JSON (numbers as Python writes them, which parse to the same
+floats)."""
 
 from __future__ import annotations
 
 import json
+import math
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
+from pydantic import BaseModel
 
 from engine.internal_stream import annotated, annotated_with, split, token_note
 from engine.protocol import (
@@ -16,21 +22,24 @@ from engine.protocol import (
     DeltaMessage,
     InternalEvent,
 )
+from engine.request_stream import TokenLogprobs
 from engine.server import EngineAPI, TextChunks
+from engine.text import Delta
+from engine.tokenizer import ChatTokenizer
 
 TEXTS = ["Paris", " is", "", "naïve café 東京 🚀", 'quote " and \\ backslash', "line\nbreak\ttab", "\x00\x1f\x7f",
          "\u2028\u2029", "slash / </script>"]  # fmt: skip
 
 
-def model_event(chat: bool, index: int, text: str) -> str:
+def model_event(chat: bool, index: int, text: str, logprobs: Any = None) -> str:
     """The event as the models write it (engine/server.py's own path for a chunk that carries text alone)."""
     if chat:
         choice: ChatCompletionChunkChoice | CompletionChoice = ChatCompletionChunkChoice(
-            index=index, delta=DeltaMessage(content=text or None), finish_reason=None, logprobs=None)
+            index=index, delta=DeltaMessage(content=text or None), finish_reason=None, logprobs=logprobs)
         chunk: ChatCompletionChunk | CompletionChunk = ChatCompletionChunk(id="chatcmpl-1", created=7, model="m",
                                                                              choices=[choice])  # type: ignore[list-item]
     else:
-        choice = CompletionChoice(index=index, text=text, finish_reason=None, logprobs=None)
+        choice = CompletionChoice(index=index, text=text, finish_reason=None, logprobs=logprobs)
         chunk = CompletionChunk(id="cmpl-1", created=7, model="m", choices=[choice])  # type: ignore[list-item]
     return f"data: {chunk.model_dump_json()}\n\n"
 
@@ -38,7 +47,7 @@ def model_event(chat: bool, index: int, text: str) -> str:
 @pytest.mark.parametrize("chat", [False, True])
 @pytest.mark.parametrize("index", [0, 3])
 def test_a_text_chunk_from_its_template_is_the_models_event(chat: bool, index: int) -> None:
-    texts = TextChunks(lambda i: model_event(chat, i, TextChunks.SLOT))
+    texts = TextChunks(lambda i, _: model_event(chat, i, TextChunks.SLOT))
     for text in TEXTS:
         if not text and chat:
             continue  # a chat delta without text is never a text chunk
@@ -59,3 +68,40 @@ def test_a_token_note_is_the_models_json(ids: list[int], chars: int, choice: int
         ids=ids, chars=chars, choice=choice))  # fmt: skip
     data, note = split(annotated_with(event, token_note(ids, chars, choice)).encode()[:-2])
     assert data == b'data: {"x":1}' and note is not None and json.loads(note) == json.loads(expected)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(demo_path) -> ChatTokenizer:
+    return ChatTokenizer(demo_path("bf16"))
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_chunk_with_logprobs_from_its_template_is_the_models_json(chat: bool, tokenizer: ChatTokenizer) -> None:
+    """Tokens of every kind (multi-byte and partial characters, quotes, special tokens, an id past the
+    tokenizer's), alternatives that share a text or are the sampled token, tiny, floored and NaN values: the JSON
+    written from cached pieces is the models' (engine/server.py's chat_logprobs and completion_logprobs)."""
+    api = EngineAPI(SimpleNamespace(config=SimpleNamespace(name="m")), tokenizer)  # type: ignore[arg-type]
+    ids = [*tokenizer.encode('naïve café 東京 🚀 "quoted" back\\slash\nline'), 0, 1, 2, tokenizer.vocab_size + 3]
+    values = [-1e-05, -0.0, -9999.0, -2.5, float("nan"), -123.456789]
+    logprobs = [(token, TokenLogprobs(values[i % len(values)], ((token, -0.5), (ids[i - 1], values[(i + 1) % 6]),
+                                                                (ids[i - 1], -7.0), (ids[-1], -1e-30))))
+                for i, token in enumerate(ids)]  # fmt: skip
+    fast_gen = SimpleNamespace(text_offset=None, resumed_ids=ids[:3])
+    slow_gen = SimpleNamespace(text_offset=None, resumed_ids=ids[:3])
+    texts = TextChunks(lambda i, scores: model_event(chat, i, TextChunks.SLOT, scores), TextChunks.logprobs_slot(chat))
+    for lo, hi in [(0, 1), (1, 5), (5, len(ids)), (len(ids), len(ids))]:
+        delta = Delta("some text", None, tuple(ids[lo:hi]), tuple(logprobs[lo:hi]))
+        fast = api.logprobs_of(chat, fast_gen, delta)  # type: ignore[arg-type]
+        model: BaseModel = api.chat_logprobs(delta) if chat else api.completion_logprobs(slow_gen, delta)  # type: ignore[arg-type]
+        assert _parsed(fast) == _parsed(model.model_dump_json())
+        event, expected = texts.event(2, delta.text, fast), model_event(chat, 2, delta.text, model)
+        assert _parsed(event.removeprefix("data: ")) == _parsed(expected.removeprefix("data: "))
+        assert fast_gen.text_offset == slow_gen.text_offset
+
+
+def _parsed(text: str) -> Any:
+    """JSON with NaN written as null (as both ways write it): equal values compare equal."""
+    value = json.loads(text)
+    assert "NaN" not in text and not (isinstance(value, float) and math.isnan(value))
+    return value
+
