@@ -61,14 +61,14 @@ def worker(socket_path: str, config: str, step_ms: float, profile: Path | None) 
         # buffers themselves on the CPU, so copies stand in for them).
         meta, tables = runner.host.clone(), runner.host_tables.clone()
 
-        def run(step: Any, every_token: Any = frozenset(), launched: Any = lambda: None) -> StepOutput:
+        def run(step: Any, every_token: Any = frozenset(), launched: Any = lambda logits: None) -> StepOutput:
             """A CUDA graph's step on the host: stage the inputs, launch, wait for the GPU, read the argmax."""
             seqs = len(step)
             runner._stage(step, sum(w.count for w in step), seqs)
             meta.copy_(runner.host)
             tables[:seqs].copy_(runner.host_tables[:seqs])
             began = time.perf_counter()
-            launched()
+            launched(logits_rows[:seqs])
             time.sleep(step_ms / 1e3)  # the GPU's step, waited for without the GIL
             ended = time.perf_counter()
             if gpu["last"] is not None and began - gpu["last"] < 0.1:  # back to back: the GPU idled in between

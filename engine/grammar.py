@@ -127,7 +127,8 @@ class Grammars:
 
 
 class GrammarState:
-    """One sequence's place in its grammar."""
+    """One sequence's place in its grammar. The tokens sampled for it may wait in ``pending`` until its next mask
+    is filled (``catch_up``, in the thread that fills masks, beside the device's forward)."""
 
     def __init__(self, grammar: Grammar, generated: list[int] | None = None) -> None:
         xgrammar = load_xgrammar()
@@ -135,6 +136,8 @@ class GrammarState:
         self.matcher = xgrammar.GrammarMatcher(grammar.compiled)
         self.grammar = grammar
         self.finished = False  # the answer is complete (a stop token was accepted at its end)
+        self.pending: list[int] = []  # sampled, not accepted yet
+        self.refused: int | None = None  # a pending token the grammar did not allow (the mask was not applied)
         for token in generated or ():  # a resumed request: replay what the failed engine generated
             if not self.accept(token):
                 raise GrammarError(f"the resumed output does not follow its grammar (token {token})")
@@ -147,6 +150,13 @@ class GrammarState:
         if accepted and token in self.grammar.stop_ids:  # only a stop token ends an answer
             self.finished = bool(self.matcher.is_terminated())
         return accepted
+
+    def catch_up(self) -> None:
+        """Accept the pending tokens; the first one refused stops the state (``refused``)."""
+        for token in self.pending:
+            if self.refused is None and not self.accept(token):
+                self.refused = token
+        self.pending.clear()
 
 
 class TokenMasks:
@@ -171,7 +181,8 @@ class TokenMasks:
         self._on_device: torch.Tensor | None = None  # the masks as the logits' device reads them, model-wide
 
     def fill(self, states: list[GrammarState], rows: list[int]) -> None:
-        """Row ``rows[j]`` of the bitmask: what ``states[j]`` allows next."""
+        """Row ``rows[j]`` of the bitmask: what ``states[j]`` allows next, once it has accepted its pending tokens
+        (a state that refused one gets the stop tokens: its row is not used)."""
         if self.bitmask is None and states:
             self.vocab_size = states[0].grammar.vocab_size
             self.bitmask = self._xgr.allocate_token_bitmask(self._rows, self.vocab_size)
@@ -180,7 +191,8 @@ class TokenMasks:
         assert self.bitmask is not None
         open_states, open_rows = [], []
         for state, row in zip(states, rows, strict=True):
-            if state.finished:
+            state.catch_up()
+            if state.finished or state.refused is not None:
                 self.bitmask[row].copy_(state.grammar.stop_mask)
             else:
                 open_states.append(state.matcher)

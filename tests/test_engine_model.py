@@ -174,10 +174,10 @@ def test_a_steps_events_reach_the_loop_while_the_next_step_computes(demo_path, p
     engine = _engine(demo_path("bf16"))
     run, waiting_at_launch = engine.runner.run, []
 
-    def recording_run(step, every_token=frozenset(), launched=lambda: None):
-        def launch() -> None:
+    def recording_run(step, every_token=frozenset(), launched=lambda logits: None):
+        def launch(logits) -> None:
             waiting_at_launch.append((len(step), len(engine._outbox._events)))
-            launched()
+            launched(logits)
 
         return run(step, every_token, launch)
 

@@ -29,7 +29,7 @@ from engine.native.kv_cache import BlockAllocator, KVCache, KVCacheSpec, kv_byte
 from engine.native.model import ModelArgs, Transformer
 from engine.native.model_runner import ModelRunner
 from engine.native.sampler import prompt_logprobs, sample, skip_draws
-from engine.native.scheduler import Scheduler, Sequence
+from engine.native.scheduler import Scheduled, Scheduler, Sequence
 from engine.request_stream import EngineThread, RequestStream, TokenEvent
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import model_eos_ids
@@ -234,9 +234,15 @@ class LLMEngine(EngineThread[Sequence]):
                 rows.append(i)
             if _scores_prompt(work):
                 scoring.append(i)
-        masks = self._fill_masks([step[i].seq for i in rows])  # while the forward runs
-        scored = frozenset(scoring)
-        out = self.runner.run(step, scored, launched=self._outbox.flush)  # the last step's events, while it runs
+        masks = self._fill_masks(step, rows)  # while the forward runs
+
+        def launched(logits: torch.Tensor) -> None:
+            self._outbox.flush()  # the last step's events, while this one runs
+            if masks is not None:  # what their grammars allow, queued behind the forward: the rest becomes -inf
+                assert self._masks is not None
+                self._masks.apply(logits, masks.result())
+
+        out = self.runner.run(step, frozenset(scoring), launched=launched)
         self.stats.device_time(out.device_seconds)
         for i, logits in out.all_logits.items():
             _collect_prompt_logprobs(step[i], logits)
@@ -246,13 +252,14 @@ class LLMEngine(EngineThread[Sequence]):
                 self._finish(work.seq, TokenEvent(None, "length", prompt_logprobs=_prompt_logprobs(work.seq)))
         if rows:
             logits = out.logits if len(rows) == len(step) else out.logits[rows]
-            self._advance([step[i].seq for i in rows], logits, [out.argmax[i] for i in rows], masks)
+            argmax = None if masks is not None else [out.argmax[i] for i in rows]  # the graph's is of unmasked logits
+            self._advance([step[i].seq for i in rows], logits, argmax)
 
-    def _fill_masks(self, seqs: list[Sequence]) -> Future[list[int]] | None:
-        """The token masks of the sequences that follow a grammar (row j for seqs[j]), filled in a helper thread
-        while this one runs the step's forward: a mask depends only on the tokens accepted so far. The future
-        gives the rows filled."""
-        constrained = [j for j, s in enumerate(seqs) if s.grammar is not None]
+    def _fill_masks(self, step: list[Scheduled], rows: list[int]) -> Future[list[int]] | None:
+        """The token masks of the sampling rows whose sequences follow a grammar (row i of the bitmask for step[i]),
+        filled in a helper thread while this one runs the step's forward: a mask depends only on the tokens
+        sampled so far, which the helper accepts first (GrammarState.catch_up). The future gives the rows."""
+        constrained = [i for i in rows if step[i].seq.grammar is not None]
         if not constrained:
             return None
         if self._masks is None:
@@ -261,27 +268,25 @@ class LLMEngine(EngineThread[Sequence]):
         masks = self._masks
 
         def fill() -> list[int]:
-            masks.fill([seqs[j].grammar for j in constrained], constrained)  # type: ignore[misc]
+            masks.fill([step[i].seq.grammar for i in constrained], constrained)  # type: ignore[misc]
             return constrained
 
         assert self._masker is not None
         return self._masker.submit(fill)
 
-    def _advance(self, seqs: list[Sequence], logits: torch.Tensor, argmax: list[int] | None = None,
-                 masks: Future[list[int]] | None = None) -> None:  # fmt: skip
+    def _advance(self, seqs: list[Sequence], logits: torch.Tensor, argmax: list[int] | None = None) -> None:
         params, outputs = [s.params for s in seqs], [s.output for s in seqs]
-        if masks is not None:  # what their grammars allow: the logits of the rest become -inf
-            assert self._masks is not None
-            self._masks.apply(logits, masks.result())
-            argmax = None
         sampled = sample(logits, params, outputs, [s.generator for s in seqs], argmax)
         for seq, token, logprobs in zip(seqs, sampled.tokens, sampled.logprobs, strict=True):
-            seq.output.append(token)
             reason = None
             p = seq.params
-            if seq.grammar is not None and not seq.grammar.accept(token):
-                self._finish(seq, TokenEvent(None, "error", error=f"token {token} does not follow the grammar"))
-                continue
+            if seq.grammar is not None:
+                refused = seq.grammar.refused  # found as its mask was filled: its last token broke the grammar
+                if refused is not None:
+                    self._finish(seq, TokenEvent(None, "error", error=f"token {refused} does not follow the grammar"))
+                    continue
+                seq.grammar.pending.append(token)  # accepted before its next mask is filled
+            seq.output.append(token)
             if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
                 reason = "stop"
             elif len(seq.output) >= p.max_tokens or seq.length >= self.max_model_len:

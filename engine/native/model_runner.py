@@ -132,10 +132,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, step: list[Scheduled], every_token: frozenset[int] = frozenset(),
-            launched: Callable[[], None] = lambda: None) -> StepOutput:  # fmt: skip
+            launched: Callable[[torch.Tensor], None] = lambda logits: None) -> StepOutput:  # fmt: skip
         """Logits of each scheduled sequence's last token this step (meaningful where ``samples``), and of every
         token of the sequences at the indexes ``every_token`` (prompt logprobs: such a step runs eagerly).
-        ``launched`` is called once the device has the step's work, before waiting for it."""
+        ``launched`` is called once the device has the step's work, before waiting for it, with the logits the
+        work will have made (it may queue work on them: the wait covers it)."""
         seqs = len(step)
         decode = all(w.count == 1 for w in step)
         tokens = sum(w.count for w in step)
@@ -151,7 +152,7 @@ class ModelRunner:
             self.clock.start()
             graph.replay()
             self.clock.stop()
-            launched()
+            launched(logits[:seqs])
             torch.cuda.current_stream().synchronize()
             return StepOutput(logits[:seqs], self.argmax_host[:seqs].tolist(), device_seconds=self.clock.seconds())
         self._stage(step, tokens, seqs)
@@ -170,7 +171,7 @@ class ModelRunner:
                     every[i] = self.model.logits(hidden[begin : begin + w.count]).float()
         argmax = logits.argmax(dim=-1)
         self.clock.stop()
-        launched()
+        launched(logits)
         argmax_ids = argmax.tolist()
         return StepOutput(logits, argmax_ids, every, device_seconds=self.clock.seconds())
 
