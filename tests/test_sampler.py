@@ -60,3 +60,32 @@ def test_logprobs_are_of_the_distribution_each_token_was_drawn_from() -> None:
     assert math.isclose(cut.top[1][1], math.log(0.3 / 0.8), abs_tol=1e-6)
     assert cut.top[2][1] == LOGPROB_FLOOR  # a token the sampler could not draw
     assert cut.logprob == dict(cut.top)[out.tokens[1]]
+
+
+def test_greedy_logprobs_queued_before_the_wait_equal_those_computed_after_it() -> None:
+    """engine/native/llm_engine.py queues a greedy batch's logprobs behind the step's logits (queue_logprobs);
+    they must be what ``sample`` would have computed, row by row, and nothing is queued for a row that is sampled or
+    penalized (its distribution is known only after the draw)."""
+    import math
+
+    from engine.native.sampler import queue_logprobs
+
+    torch.manual_seed(1)
+    logits = torch.randn(5, 300) * 4
+    logits[3, 7] = -float("inf")  # a token a grammar forbade
+    params = [SamplingParams(temperature=0, logprobs=n) for n in (0, 1, 5, 20)] + [SamplingParams(temperature=0)]
+    queued = queue_logprobs(logits, list(enumerate(params)))
+    assert queued is not None and queued.rows == [0, 1, 2, 3]
+    early = queued.report()
+    late = sample(logits, params, [[] for _ in params], [None] * len(params))
+    assert late.logprobs[4] is None and 4 not in early
+    for row in range(4):
+        a, b = early[row], late.logprobs[row]
+        assert b is not None and len(a.top) == len(b.top) == params[row].logprobs
+        assert math.isclose(a.logprob, b.logprob, abs_tol=1e-5)
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+        assert all(math.isclose(x, y, abs_tol=1e-5) for (_, x), (_, y) in zip(a.top, b.top, strict=True))
+    sampled = [*params[:2], SamplingParams(temperature=1.0, logprobs=2)]
+    assert queue_logprobs(logits, list(enumerate(sampled))) is None
+    assert queue_logprobs(logits, [(0, SamplingParams(temperature=0, logprobs=1, presence_penalty=0.5))]) is None
+    assert queue_logprobs(logits, [(0, SamplingParams(temperature=0))]) is None

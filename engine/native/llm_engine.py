@@ -28,9 +28,9 @@ from engine.memory_plan import plan as plan_memory
 from engine.native.kv_cache import BlockAllocator, KVCache, KVCacheSpec, kv_bytes_per_token
 from engine.native.model import ModelArgs, Transformer
 from engine.native.model_runner import ModelRunner
-from engine.native.sampler import prompt_logprobs, sample, skip_draws
+from engine.native.sampler import QueuedLogprobs, prompt_logprobs, queue_logprobs, sample, skip_draws
 from engine.native.scheduler import Scheduled, Scheduler, Sequence
-from engine.request_stream import EngineThread, RequestStream, TokenEvent
+from engine.request_stream import EngineThread, RequestStream, TokenEvent, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import model_eos_ids
 from engine.weights import LoadedWeights, WeightOrigin, WeightSource, weight_source
@@ -235,12 +235,14 @@ class LLMEngine(EngineThread[Sequence]):
             if _scores_prompt(work):
                 scoring.append(i)
         masks = self._fill_masks(step, rows)  # while the forward runs
+        queued: list[QueuedLogprobs | None] = [None]
 
-        def launched(logits: torch.Tensor) -> None:
-            self._outbox.flush()  # the last step's events, while this one runs
-            if masks is not None:  # what their grammars allow, queued behind the forward: the rest becomes -inf
+        def launched(logits: torch.Tensor) -> None:  # queued behind the forward, while it runs:
+            self._outbox.flush()  # the last step's events
+            if masks is not None:  # what their grammars allow: the rest becomes -inf
                 assert self._masks is not None
                 self._masks.apply(logits, masks.result())
+            queued[0] = queue_logprobs(logits, [(i, step[i].seq.params) for i in rows])  # of greedy rows
 
         out = self.runner.run(step, frozenset(scoring), launched=launched)
         self.stats.device_time(out.device_seconds)
@@ -253,7 +255,9 @@ class LLMEngine(EngineThread[Sequence]):
         if rows:
             logits = out.logits if len(rows) == len(step) else out.logits[rows]
             argmax = None if masks is not None else [out.argmax[i] for i in rows]  # the graph's is of unmasked logits
-            self._advance([step[i].seq for i in rows], logits, argmax)
+            reported = queued[0].report() if queued[0] is not None else None
+            self._advance([step[i].seq for i in rows], logits, argmax,
+                          [reported.get(i) for i in rows] if reported is not None else None)  # fmt: skip
 
     def _fill_masks(self, step: list[Scheduled], rows: list[int]) -> Future[list[int]] | None:
         """The token masks of the sampling rows whose sequences follow a grammar (row i of the bitmask for step[i]),
@@ -274,9 +278,10 @@ class LLMEngine(EngineThread[Sequence]):
         assert self._masker is not None
         return self._masker.submit(fill)
 
-    def _advance(self, seqs: list[Sequence], logits: torch.Tensor, argmax: list[int] | None = None) -> None:
+    def _advance(self, seqs: list[Sequence], logits: torch.Tensor, argmax: list[int] | None = None,
+                 reported: list[TokenLogprobs | None] | None = None) -> None:  # fmt: skip
         params, outputs = [s.params for s in seqs], [s.output for s in seqs]
-        sampled = sample(logits, params, outputs, [s.generator for s in seqs], argmax)
+        sampled = sample(logits, params, outputs, [s.generator for s in seqs], argmax, reported)
         for seq, token, logprobs in zip(seqs, sampled.tokens, sampled.logprobs, strict=True):
             reason = None
             p = seq.params

@@ -35,11 +35,13 @@ def sample(
     outputs: list[list[int]],
     generators: list[torch.Generator | None],
     argmax: list[int] | None = None,
+    logprobs: list[TokenLogprobs | None] | None = None,
 ) -> Sampled:
     """One token per row of ``logits`` [B, vocab] (float32).
 
     ``argmax``: the rows' argmax when already known (the CUDA-graph step computes it); not used when a
-    penalty changes the logits. Sampled rows are drawn together, with one copy back to the host: the
+    penalty changes the logits. ``logprobs``: the rows' logprobs when already known (``QueuedLogprobs``).
+    Sampled rows are drawn together, with one copy back to the host: the
     exponential-race form of sampling (argmax of p / E, E ~ Exp(1), picks i with probability p_i) lets
     each seeded row draw its own noise from its own generator, with no per-row synchronization.
     """
@@ -48,7 +50,7 @@ def sample(
     chosen = argmax if argmax is not None else logits.argmax(dim=-1).tolist()
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
-        return Sampled(chosen, _logprobs(logits, params, chosen))
+        return Sampled(chosen, logprobs if logprobs is not None else _logprobs(logits, params, chosen))
     device = logits.device
     picked = [params[i] for i in rows]
     x = logits[rows] / torch.tensor([p.temperature for p in picked], device=device).unsqueeze(1)
@@ -73,7 +75,41 @@ def sample(
         noise[j].exponential_(generator=generators[rows[j]])
     for i, token in zip(rows, (probs / noise).argmax(dim=-1).tolist(), strict=True):
         chosen[i] = token
+    if logprobs is not None:
+        return Sampled(chosen, logprobs)
     return Sampled(chosen, _logprobs(logits, params, chosen, dict(zip(rows, probs, strict=True))))
+
+
+@dataclass(frozen=True)
+class QueuedLogprobs:
+    """Logprobs of greedy rows, queued on the device behind the step's logits before the engine waits for the step
+    (``queue_logprobs``): read after the wait with one copy, where computing them then cost a handful of device
+    calls, each a chance for the HTTP loop to keep the GIL, while the device idled."""
+
+    rows: list[int]  # the logits' rows reported
+    tops: list[int]  # alternatives per row
+    packed: torch.Tensor  # [rows, 2k]: the top k log-probabilities, then their ids
+
+    def report(self) -> dict[int, TokenLogprobs]:
+        """Each row's logprobs. A greedy row's token is its argmax: its logprob is the top entry's."""
+        host = self.packed.tolist()
+        k = len(host[0]) // 2 if host else 0
+        return {r: TokenLogprobs(row[0], tuple((int(row[k + t]), row[t]) for t in range(n)))
+                for r, row, n in zip(self.rows, host, self.tops, strict=True)}  # fmt: skip
+
+
+def queue_logprobs(logits: torch.Tensor, asking: list[tuple[int, SamplingParams]]) -> QueuedLogprobs | None:
+    """Queue the logprobs of the rows that ask (row, its params) in ``logits`` (which may not be computed yet),
+    when each of them is greedy without penalties (their distribution is the plain softmax of the logits as they
+    are); None otherwise, or when none asks: ``sample`` computes them once it has drawn."""
+    asking = [(row, p) for row, p in asking if p.logprobs is not None]
+    if not asking or any(not p.greedy or p.presence_penalty or p.frequency_penalty for _, p in asking):
+        return None
+    rows, tops = [row for row, _ in asking], [p.logprobs or 0 for _, p in asking]
+    scores = logits if len(rows) == logits.shape[0] else logits[rows]
+    values, ids = scores.topk(max(1, *tops), dim=-1)
+    values = values - torch.logsumexp(scores, dim=-1, keepdim=True)
+    return QueuedLogprobs(rows, tops, torch.cat([values.clamp_(min=LOGPROB_FLOOR), ids.to(values.dtype)], dim=1))
 
 
 def _logprobs(logits: torch.Tensor, params: list[SamplingParams], chosen: list[int],
