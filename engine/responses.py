@@ -1,5 +1,4 @@
-"""A whole (non-streaming) OpenAI response, assembled from the chunks of its stream; and the JSON of a chunk's
-logprobs, written without the models.
+"""A whole (non-streaming) OpenAI response, assembled from the chunks of its stream.
 
 Both the engine (a client that did not ask for a stream) and the gateway's relays (which always take the
 engine's stream, to resume it on another engine) answer a whole response this way, so the two cannot differ:
@@ -8,9 +7,7 @@ the chunks' text, logprobs and finish reason per choice, joined in order.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from json.encoder import encode_basestring  # json.dumps's own string encoder (ensure_ascii=False), in C
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from engine.protocol import (
     AssistantMessage,
@@ -25,9 +22,6 @@ from engine.protocol import (
     ToolCallItem,
     Usage,
 )
-
-if TYPE_CHECKING:
-    from engine.request_stream import TokenLogprobs
 
 
 def assemble(chat: bool, chunks: list[dict[str, Any]], id: str, created: int, model: str,
@@ -105,66 +99,3 @@ def _completion_logprobs(parts: list[dict[str, Any]] | None) -> CompletionLogpro
         whole.top_logprobs += part.get("top_logprobs", ())
         whole.text_offset += part.get("text_offset", ())
     return whole
-
-
-class LogprobsJSON:
-    """The JSON of a chunk's logprobs, as the protocol's models write it (``ChatLogprobs``, ``CompletionLogprobs``:
-    the same fields in the same order, numbers that parse to the same floats), written from per-token pieces kept
-    on first use. Building and serializing a chat entry's six models per token cost the HTTP loop more than the
-    rest of the token's way through it; tests/test_internal_stream.py checks the two agree."""
-
-    def __init__(self, token_text: Callable[[int], str], token_bytes: Callable[[int], bytes]) -> None:
-        self._text = token_text
-        self._bytes = token_bytes
-        self._pieces: dict[int, _Piece] = {}
-
-    def chat(self, logprobs: Sequence[tuple[int, TokenLogprobs]]) -> str:
-        """``ChatLogprobs(content=[...]).model_dump_json()``: each token with its alternatives."""
-        piece, entries = self._piece, []
-        for token, lp in logprobs:
-            own = piece(token)
-            tops = ",".join(f"{p.head}{_number(v)}{p.tail}}}" for p, v in ((piece(t), v) for t, v in lp.top))
-            entries.append(f'{own.head}{_number(lp.logprob)}{own.tail},"top_logprobs":[{tops}]}}')
-        return f'{{"content":[{",".join(entries)}]}}'
-
-    def completion(self, logprobs: Sequence[tuple[int, TokenLogprobs]], offset: int) -> tuple[str, int]:
-        """``CompletionLogprobs(...).model_dump_json()`` for tokens whose text begins at ``offset`` of the
-        completion, and the offset after them. ``top_logprobs`` holds the sampled token too, as OpenAI's and
-        vLLM's do (a dict by text: alternatives of the same text are one entry, the sampled token's value last)."""
-        piece = self._piece
-        tokens, values, tops, offsets = [], [], [], []
-        for token, lp in logprobs:
-            own = piece(token)
-            tokens.append(own.name)
-            values.append(_number(lp.logprob))
-            top = {piece(t).name: v for t, v in lp.top}
-            top[own.name] = lp.logprob
-            tops.append("{" + ",".join(f"{name}:{_number(v)}" for name, v in top.items()) + "}")
-            offsets.append(str(offset))
-            offset += own.length
-        return (f'{{"tokens":[{",".join(tokens)}],"token_logprobs":[{",".join(values)}],'
-                f'"top_logprobs":[{",".join(tops)}],"text_offset":[{",".join(offsets)}]}}'), offset  # fmt: skip
-
-    def _piece(self, token: int) -> _Piece:
-        piece = self._pieces.get(token)
-        if piece is None:
-            text = self._text(token)
-            piece = self._pieces[token] = _Piece(encode_basestring(text), len(text),
-                                                 ",".join(map(str, self._bytes(token))))  # fmt: skip
-        return piece
-
-
-class _Piece:
-    """One token's parts of the JSON: its text as a JSON string, the text's length, and a chat entry's JSON before
-    and after its logprob."""
-
-    __slots__ = ("head", "length", "name", "tail")
-
-    def __init__(self, name: str, length: int, raw: str) -> None:
-        self.name, self.length = name, length
-        self.head, self.tail = f'{{"token":{name},"logprob":', f',"bytes":[{raw}]'
-
-
-def _number(value: float) -> str:
-    """A float as JSON writes it; a NaN or infinity as null, as the models write them."""
-    return repr(value) if value - value == 0 else "null"

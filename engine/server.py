@@ -1,64 +1,49 @@
 """The engine worker's HTTP API: the OpenAI subset, /health and /drain, served from one LLMEngine.
 
 Request admission (prompts, grammars, choices submitted to the engine, in-flight requests counted so a drain
-can wait for them), the chunks of an answer built from its text deltas (engine/text.py), whole responses
-assembled from them (engine/responses.py), the internal stream for the gateway (engine/internal_stream.py),
-and the routes.
+can wait for them) and the routes. An answer's chunks are written by engine/chunks.py from its text deltas
+(engine/text.py), a whole response is assembled from them (engine/responses.py), and the gateway's internal
+stream adds comment lines to them (engine/internal_stream.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
 import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable
-from json.encoder import encode_basestring  # json.dumps's own string encoder (ensure_ascii=False), in C
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
+from engine.chunks import ChunkWriter
 from engine.grammar import Grammar, GrammarError, Grammars
-from engine.internal_stream import DONE, RESUMABLE_HEADER, annotated, annotated_with, opening, token_note
+from engine.internal_stream import RESUMABLE_HEADER
 from engine.protocol import (
-    ChatCompletionChunk,
-    ChatCompletionChunkChoice,
     ChatCompletionRequest,
-    ChatLogprobs,
-    ChatTokenLogprob,
     ChoiceResume,
-    CompletionChoice,
-    CompletionChunk,
-    CompletionLogprobs,
     CompletionRequest,
-    DeltaFunction,
-    DeltaMessage,
-    DeltaToolCall,
     DrainReport,
     DrainRequest,
     ErrorInfo,
     ErrorResponse,
     HealthResponse,
-    InternalEvent,
     ModelCard,
     ModelList,
     Resume,
     SamplingRequest,
-    TopLogprob,
-    Usage,
     WeightsInfo,
     random_id,
 )
-from engine.responses import LogprobsJSON, assemble
-from engine.text import Answer, Delta, EngineFailure, TextGeneration
+from engine.responses import assemble
+from engine.text import Answer, TextGeneration
 from engine.tokenizer import ChatTemplateError, ChatTokenizer
 from engine.tools import ToolCallText
 
@@ -70,7 +55,6 @@ if TYPE_CHECKING:
     from engine.weights import WeightOrigin
 
 log = logging.getLogger("warmgate.engine.server")
-
 
 
 class ServingEngine(Protocol):
@@ -208,10 +192,6 @@ async def _disconnected(raw: Request) -> None:
         pass
 
 
-def _sse(payload: BaseModel) -> str:
-    return f"data: {payload.model_dump_json()}\n\n"
-
-
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """One line naming each invalid field, and the first one as the error's param."""
     parts: list[str] = []
@@ -233,7 +213,7 @@ class EngineAPI:
     def __init__(self, engine: ServingEngine, tokenizer: ChatTokenizer) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
-        self.logprobs_json = LogprobsJSON(tokenizer.token_text, tokenizer.token_bytes)
+        self.chunks = ChunkWriter(tokenizer, engine.config.name)
         self.admission = Admission()
         self.model_name = engine.config.name
         self._grammars: asyncio.Future[Grammars] | None = None
@@ -359,76 +339,12 @@ class EngineAPI:
                 work.cancel()
                 raise ClientGone()
             status, body = assemble(chat, work.result(), answer.request_id, answer.created, self.model_name,
-                                    self.usage(answer))  # fmt: skip
+                                    self.chunks.usage(answer))  # fmt: skip
             return JSONResponse(body, status_code=status)
         finally:
             gone.cancel()
             self.release(answer)
 
-    def chat_logprobs(self, delta: Delta) -> ChatLogprobs:
-        """A chat chunk's logprobs: each shown token of the delta, with its alternatives."""
-        text, raw = self.tokenizer.token_text, self.tokenizer.token_bytes
-        return ChatLogprobs(content=[
-            ChatTokenLogprob(token=text(token), logprob=lp.logprob, bytes=list(raw(token)),
-                             top_logprobs=[TopLogprob(token=text(t), logprob=v, bytes=list(raw(t))) for t, v in lp.top])
-            for token, lp in delta.logprobs
-        ])  # fmt: skip
-
-    def echo_choice(self, prompt: str | None, generation: TextGeneration, logprobs: bool) -> CompletionChoice:
-        """A choice's echoed prompt (``prompt``: as the client wrote it, if text): its text and, when asked, each
-        token's logprob (the first one's is null); the completion's text_offset goes on after it."""
-        text = self.tokenizer.token_text
-        ids = generation.prompt_ids
-        pieces = [text(t) for t in ids]
-        generation.text_offset = sum(len(p) for p in pieces)
-        index = generation.index
-        if not logprobs:
-            return CompletionChoice(index=index, text=prompt if prompt is not None else "".join(pieces),
-                                    finish_reason=None)  # fmt: skip
-        scores = generation.prompt_logprobs or (None,) * len(ids)
-        lps = CompletionLogprobs(
-            tokens=pieces,
-            token_logprobs=[lp.logprob if lp is not None else None for lp in scores],
-            top_logprobs=[{**{text(t): v for t, v in lp.top}, pieces[i]: lp.logprob} if lp is not None else None
-                          for i, lp in enumerate(scores)],
-            text_offset=list(itertools.accumulate((len(p) for p in pieces[:-1]), initial=0)),
-        )  # fmt: skip
-        return CompletionChoice(index=index, text=prompt if prompt is not None else "".join(pieces),
-                                finish_reason=None, logprobs=lps)  # fmt: skip
-
-    def logprobs_of(self, chat: bool, generation: TextGeneration, delta: Delta) -> str:
-        """The JSON of a chunk's logprobs (``chat_logprobs`` or ``completion_logprobs``, written faster)."""
-        if chat:
-            return self.logprobs_json.chat(delta.logprobs)
-        written, generation.text_offset = self.logprobs_json.completion(delta.logprobs, self.text_offset(generation))
-        return written
-
-    def text_offset(self, generation: TextGeneration) -> int:
-        """Where the completion's next token's text begins (after what another engine generated, on a resume)."""
-        if generation.text_offset is None:
-            generation.text_offset = sum(len(self.tokenizer.token_text(t)) for t in generation.resumed_ids)
-        return generation.text_offset
-
-    def completion_logprobs(self, generation: TextGeneration, delta: Delta) -> CompletionLogprobs:
-        """A text completion chunk's logprobs, in the legacy shape; ``top_logprobs`` holds the sampled token too,
-        as OpenAI's and vLLM's do, and ``text_offset`` counts the tokens' text from the completion's start."""
-        text = self.tokenizer.token_text
-        generation.text_offset = self.text_offset(generation)
-        out = CompletionLogprobs()
-        for token, lp in delta.logprobs:
-            piece = text(token)
-            out.tokens.append(piece)
-            out.token_logprobs.append(lp.logprob)
-            out.top_logprobs.append({**{text(t): v for t, v in lp.top}, piece: lp.logprob})
-            out.text_offset.append(generation.text_offset)
-            generation.text_offset += len(piece)
-        return out
-
-    def usage(self, answer: Answer) -> Usage:
-        """Token counts: the prompts (each once, whatever n), and every token generated (an eos included, though
-        not shown), by every choice."""
-        generated = answer.done_tokens + sum(c.completion_tokens for c in answer.choices)
-        return Usage.of(sum(len(p) for p in answer.prompts), generated)
 
     def completion_prompts(self, request: CompletionRequest) -> list[list[int]]:
         """Token ids of a text completion's prompts: text, token ids, or a list of either (several prompts)."""
@@ -494,113 +410,6 @@ class EngineAPI:
                            param=param)  # fmt: skip
         return text
 
-    async def events(self, request: SamplingRequest, answer: Answer) -> AsyncIterator[str]:
-        """SSE events of an answer, chat or text completion: a chat's role chunk per choice, a text completion's
-        echoed prompts when asked, each choice's deltas with its index and finish reason, usage if asked, [DONE]."""
-        chat = isinstance(request, ChatCompletionRequest)
-        kind = ChatCompletionChunk if chat else CompletionChunk
-
-        def chunk(choices: list[Any], usage: Usage | None = None) -> str:
-            return _sse(kind(id=answer.request_id, created=answer.created, model=self.model_name, choices=choices,
-                             usage=usage))  # fmt: skip
-
-        if answer.internal:
-            yield _opening(answer, self.model_name)
-        if chat and not answer.started_before:
-            for index in range(answer.count):
-                yield chunk([ChatCompletionChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
-        text = request if isinstance(request, CompletionRequest) else None
-        echo = {c.index for c in answer.choices} if text is not None and text.echoes() else set()
-        logprobs = request.requested_logprobs() is not None
-        # Most chunks carry text alone, or text and its tokens' logprobs: written from a template the models made
-        # once per choice (TextChunks).
-        texts = TextChunks(lambda index, scores: chunk([self.text_choice(chat, index, TextChunks.SLOT, scores)]),
-                           TextChunks.logprobs_slot(chat) if logprobs else None)  # fmt: skip
-        try:
-            async for choice, delta in answer.deltas():
-                if choice.index in echo:  # its prompt first, with its logprobs (they came with the first token)
-                    echo.discard(choice.index)
-                    prompt = text.prompt_text(choice.index // (request.n or 1)) if text is not None else None
-                    yield chunk([self.echo_choice(prompt, choice, logprobs)])
-                if delta.text and not (delta.finish_reason or delta.tool_calls):
-                    scores = self.logprobs_of(chat, choice, delta) if logprobs else ""
-                    yield _with_ids(texts.event(choice.index, delta.text, scores), answer, choice, delta)
-                elif delta.text or delta.finish_reason or delta.logprobs:
-                    yield _with_ids(chunk([self.delta_choice(chat, choice, delta, logprobs)]), answer, choice, delta)
-        except EngineFailure as exc:
-            yield _sse(ErrorResponse(error=exc.info))
-            yield DONE
-            return
-        if request.include_usage():
-            yield chunk([], self.usage(answer))
-        yield DONE
-
-    def delta_choice(self, chat: bool, choice: TextGeneration, delta: Delta,
-                     logprobs: bool) -> ChatCompletionChunkChoice | CompletionChoice:  # fmt: skip
-        """A chunk's choice: the delta's text (and tool calls) with the choice's index, its finish reason, and its
-        tokens' logprobs when asked."""
-        if not (delta.finish_reason or logprobs or delta.tool_calls):
-            return self.text_choice(chat, choice.index, delta.text)
-        if not chat:
-            scores = self.completion_logprobs(choice, delta) if logprobs else None
-            return CompletionChoice(index=choice.index, text=delta.text, finish_reason=delta.finish_reason,
-                                    logprobs=scores)  # fmt: skip
-        calls = [DeltaToolCall(index=i, id=c.id, type="function",
-                               function=DeltaFunction(name=c.name, arguments=c.arguments))
-                 for i, c in enumerate(delta.tool_calls)] or None  # fmt: skip
-        return ChatCompletionChunkChoice(index=choice.index, delta=DeltaMessage(content=delta.text or None,
-                                                                                tool_calls=calls),
-                                         finish_reason=delta.finish_reason,
-                                         logprobs=self.chat_logprobs(delta) if logprobs else None)  # fmt: skip
-
-    @staticmethod
-    def text_choice(chat: bool, index: int, text: str,
-                    scores: BaseModel | None = None) -> ChatCompletionChunkChoice | CompletionChoice:  # fmt: skip
-        """A chunk's choice that carries text alone, or text and its tokens' logprobs (``scores``)."""
-        if chat:
-            return ChatCompletionChunkChoice(index=index, delta=DeltaMessage(content=text or None),
-                                             logprobs=scores)  # type: ignore[arg-type]  # fmt: skip
-        return CompletionChoice(index=index, text=text, finish_reason=None, logprobs=scores)  # type: ignore[arg-type]
-
-
-class TextChunks:
-    """The SSE events of chunks that carry text alone, or text and its tokens' logprobs, written from a template per
-    choice: the event the models write for a placeholder text (and placeholder logprobs), cut around them (the same
-    JSON, without building three models per token, or nine with logprobs)."""
-
-    SLOT = "warmgate-text-slot-5f0c1e"
-    LOGPROBS_SLOT = "warmgate-logprobs-slot-5f0c1e"
-
-    def __init__(self, render: Callable[[int, BaseModel | None], str], logprobs: BaseModel | None = None) -> None:
-        self._render = render  # the event of choice ``index`` whose text is SLOT and whose logprobs are the 2nd
-        self._logprobs = logprobs  # the logprobs' placeholder; None: the chunks carry none
-        self._templates: dict[int, tuple[str, ...]] = {}
-
-    @classmethod
-    def logprobs_slot(cls, chat: bool) -> BaseModel:
-        """Placeholder logprobs of a chat or a text completion chunk (their JSON is in the event once)."""
-        if chat:
-            return ChatLogprobs(content=[ChatTokenLogprob(token=cls.LOGPROBS_SLOT, logprob=0.0)])
-        return CompletionLogprobs(tokens=[cls.LOGPROBS_SLOT])
-
-    def event(self, index: int, text: str, logprobs: str = "") -> str:
-        """The event of choice ``index`` carrying ``text`` and, if the chunks carry them, ``logprobs`` (their JSON)."""
-        template = self._templates.get(index)
-        if template is None:
-            template = self._templates[index] = self._cut(index)
-        if self._logprobs is None:
-            return f"{template[0]}{encode_basestring(text)}{template[1]}"
-        return f"{template[0]}{encode_basestring(text)}{template[1]}{logprobs}{template[2]}"
-
-    def _cut(self, index: int) -> tuple[str, ...]:
-        before, slot, after = self._render(index, self._logprobs).partition(json.dumps(self.SLOT))
-        assert slot and self.SLOT not in after, "the text's placeholder is in the event once"
-        if self._logprobs is None:
-            return before, after
-        middle, slot, end = after.partition(self._logprobs.model_dump_json())
-        assert slot, "the logprobs' placeholder comes after the text's"
-        return before, middle, end
-
 
 def _choice_states(resume: Resume | None) -> dict[int, ChoiceResume]:
     """Where each choice of a resumed request stood (a request with one choice says it in Resume's own fields)."""
@@ -609,23 +418,6 @@ def _choice_states(resume: Resume | None) -> dict[int, ChoiceResume]:
     if resume.choices is not None:
         return {c.index: c for c in resume.choices}
     return {0: ChoiceResume(index=0, output_ids=resume.output_ids, chars=resume.chars)}
-
-
-def _opening(answer: Answer, model: str) -> str:
-    """The internal stream's first event: the prompts' ids, the response's id and its choices."""
-    return opening(InternalEvent(prompt_ids=answer.prompts[0], prompts=answer.prompts if len(answer.prompts) > 1
-                                 else None, choices=answer.count, id=answer.request_id, created=answer.created,
-                                 model=model))  # fmt: skip
-
-
-def _with_ids(event: str, answer: Answer, choice: TextGeneration, delta: Delta) -> str:
-    """An SSE data event, followed on the internal stream by the comment line of its choice's token ids."""
-    if not answer.internal:
-        return event
-    if delta.finish_reason is None:
-        return annotated_with(event, token_note(delta.token_ids, choice.chars, choice.index))
-    return annotated(event, InternalEvent(ids=list(delta.token_ids), chars=choice.chars, finish=delta.finish_reason,
-                                          choice=choice.index))  # fmt: skip
 
 
 def _private_memory() -> int:
@@ -724,7 +516,7 @@ def create_app(engine: ServingEngine, tokenizer: ChatTokenizer) -> FastAPI:
         grammar = await api.grammar(request)
         internal = raw.headers.get(RESUMABLE_HEADER) == "1"
         answer = api.admit(request, prompts, prompt_param, id_prefix, internal, grammar)
-        events = api.events(request, answer)
+        events = api.chunks.events(request, answer)
         if request.stream:
             return api.stream(answer, events)
         return await api.whole(answer, events, raw, isinstance(request, ChatCompletionRequest))

@@ -1,7 +1,7 @@
 """A request's answer as text: each choice's tokens detokenized into deltas, cut at stop strings, tool calls cut
 out, logprobs carried along; the choices of one answer merged as they come.
 
-The engine's HTTP API (engine/server.py) builds its chunks from these deltas.
+The engine's HTTP API builds its chunks from these deltas (engine/chunks.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The chunks most of a stream is made of, written without building models per token (engine/server.py's
-TextChunks, engine/responses.py's LogprobsJSON, engine/internal_stream.py's token_note), are what the models
+"""The chunks most of a stream is made of, written without building models per token (engine/chunks.py's
+TextChunks and LogprobsJSON, engine/internal_stream.py's token_note), are what the models
 write: the very bytes, or for logprobs the same JSON (numbers as Python writes them, which parse to the same
 floats)."""
 
@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
+from engine.chunks import ChunkWriter, TextChunks
 from engine.internal_stream import annotated, annotated_with, split, token_note
 from engine.protocol import (
     ChatCompletionChunk,
@@ -23,7 +24,6 @@ from engine.protocol import (
     InternalEvent,
 )
 from engine.request_stream import TokenLogprobs
-from engine.server import EngineAPI, TextChunks
 from engine.text import Delta
 from engine.tokenizer import ChatTokenizer
 
@@ -32,7 +32,7 @@ TEXTS = ["Paris", " is", "", "naïve café 東京 🚀", 'quote " and \\ backsla
 
 
 def model_event(chat: bool, index: int, text: str, logprobs: Any = None) -> str:
-    """The event as the models write it (engine/server.py's own path for a chunk that carries text alone)."""
+    """The event as the models write it (engine/chunks.py's own path for a chunk that carries text alone)."""
     if chat:
         choice: ChatCompletionChunkChoice | CompletionChoice = ChatCompletionChunkChoice(
             index=index, delta=DeltaMessage(content=text or None), finish_reason=None, logprobs=logprobs)
@@ -55,7 +55,7 @@ def test_a_text_chunk_from_its_template_is_the_models_event(chat: bool, index: i
         assert json.loads(fast.removeprefix("data: ")) == json.loads(slow.removeprefix("data: "))
         assert fast == slow, (text, fast, slow)
     # The template is the models' own: the builder is the server's.
-    assert EngineAPI.text_choice(chat, index, "x").index == index
+    assert ChunkWriter.text_choice(chat, index, "x").index == index
 
 
 @pytest.mark.parametrize(("ids", "chars", "choice"), [([5], 3, 0), ([5, 6, 7], 120, 2), ([], 0, 0), ([9], 0, 1),
@@ -79,8 +79,8 @@ def tokenizer(demo_path) -> ChatTokenizer:
 def test_a_chunk_with_logprobs_from_its_template_is_the_models_json(chat: bool, tokenizer: ChatTokenizer) -> None:
     """Tokens of every kind (multi-byte and partial characters, quotes, special tokens, an id past the
     tokenizer's), alternatives that share a text or are the sampled token, tiny, floored and NaN values: the JSON
-    written from cached pieces is the models' (engine/server.py's chat_logprobs and completion_logprobs)."""
-    api = EngineAPI(SimpleNamespace(config=SimpleNamespace(name="m")), tokenizer)  # type: ignore[arg-type]
+    written from cached pieces is the models' (engine/chunks.py's chat_logprobs and completion_logprobs)."""
+    api = ChunkWriter(tokenizer, "m")
     ids = [*tokenizer.encode('naïve café 東京 🚀 "quoted" back\\slash\nline'), 0, 1, 2, tokenizer.vocab_size + 3]
     values = [-1e-05, -0.0, -9999.0, -2.5, float("nan"), -123.456789]
     logprobs = [(token, TokenLogprobs(values[i % len(values)], ((token, -0.5), (ids[i - 1], values[(i + 1) % 6]),
