@@ -53,12 +53,13 @@ demo._write_marker(t, 'fp8-block', seconds=0.0)"
     engine) timeout ${ENGINE_TIMEOUT:-240} python3 bench/gpu_engine.py --out $RUN/engine --work /tmp/wg \
               --skip kernels synth graphs hf sweep profile variants host 2>&1 | tail -30 ;;
     structured) # Issue 23's acceptance: 64 streams, every request plain, held to a JSON schema, or with logprobs 5
-            # (plain first and last, for the run's own spread). About 3 min with the server's start.
+            # (plain first and last, for the run's own spread; levels of one run differ by 3-10%: STRUCTURED_VARIANTS
+            # may repeat them, e.g. plain,json_schema,logprobs=5,plain,json_schema,logprobs=5,plain). ~70 s a run.
             ST=${STRUCTURED_TIMEOUT:-420}
             timeout -k 30 $ST python3 bench/serve_load.py --model $MODEL --device cuda --max-num-seqs 128 \
               --kv-cache-bytes 20000000000 --out $RUN/structured --deadline-s $((ST - 60)) --concurrency 64 \
               --requests-per-client 8 --direct-concurrency 0 --restart-probe 0 \
-              --variants plain,json_schema,logprobs=5,plain 2>&1 | tail -30
+              --variants ${STRUCTURED_VARIANTS:-plain,json_schema,logprobs=5,plain} 2>&1 | tail -30
             cp $RUN/structured/serve_load.md $OUT/structured.md 2>/dev/null
             cp $RUN/structured/serve_load.json $OUT/structured.json 2>/dev/null ;;
     prefix) # Prefix caching (issue 25): 64 streams sharing a 2,000-token system prompt, each with its own ~50-token
