@@ -1,16 +1,21 @@
 """The device cost of a greedy batch's logprobs (engine/native/sampler.py's queue_logprobs): torch.topk and
 torch.logsumexp over [64, vocab] float32 logits, against a two-stage top-k (the best k of each run of 256 ids,
-then the best k of those), which must give the same entries. Microseconds per call, 50 calls after 3 warm-ups.
+then the best k of those) and, on CUDA, the fused Triton kernel (engine/native/triton_logprobs.py: log-sum-exp and
+top k in one read), which must give the same entries. Microseconds per call, 50 calls after 3 warm-ups.
 
     python bench/topk_check.py          # on the device machine: PYTHONPATH=/tmp/site:$PWD python3 bench/topk_check.py
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 CHUNK = 256
 
@@ -50,6 +55,12 @@ def main() -> None:
             times = {"topk": per_call_us(lambda k=k: x.topk(k, dim=-1), cuda),
                      "two_stage": per_call_us(lambda k=k: two_stage(x, k), cuda),
                      "logsumexp": per_call_us(lambda: torch.logsumexp(x, -1), cuda)}  # fmt: skip
+            if cuda:
+                from engine.native.triton_logprobs import top_logprobs
+
+                fused = top_logprobs(x, k, -9999.0)
+                same = same and torch.equal(fused[full >= k, k:].long(), a.indices[full >= k])
+                times["fused_lse_topk"] = per_call_us(lambda k=k: top_logprobs(x, k, -9999.0), cuda)
             print(f"width {width} k {k}: equal {same}; us per call {times}")
 
 

@@ -385,3 +385,22 @@ def _allocated_outside_graph_pools() -> int:
     """Bytes allocated on the device, less what CUDA graphs' private memory pools hold (their intermediates)."""
     segments = torch.cuda.memory._snapshot()["segments"]
     return sum(seg["allocated_size"] for seg in segments if tuple(seg.get("segment_pool_id", (0, 0))) == (0, 0))
+
+
+def test_fused_top_logprobs_match_torch() -> None:
+    """engine/native/triton_logprobs.py compiled for the device: the top k log-probabilities and their ids of
+    llama3's vocabulary at batch 64 are torch's (log_softmax, topk), masked rows included. Its speed against
+    torch is bench/topk_check.py's."""
+    from engine.native.triton_logprobs import MAX_K, top_logprobs
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(64, 128256, device="cuda", generator=gen) * 4
+    x[1, :] = -float("inf")
+    x[1, [5, 70000, 128255]] = torch.tensor([1.0, 3.0, 2.0], device="cuda")
+    for k in (1, 5, MAX_K):
+        out = top_logprobs(x, k, -9999.0)
+        values, ids = torch.log_softmax(x, -1).clamp_min(-9999.0).topk(k, -1)
+        torch.testing.assert_close(out[:, :k], values, rtol=0, atol=1e-4)
+        rows = [r for r in range(64) if r != 1]
+        assert torch.equal(out[rows, k:].long(), ids[rows])
+        assert out[1, k:].long().tolist()[:3] == [70000, 128255, 5][:k]

@@ -73,3 +73,24 @@ def test_fused_group_quantization_matches_torch() -> None:
         assert bool((q[:7].float()[~same] * 2 == ref_q.float()[~same]).all())
         assert torch.count_nonzero(q[7].float()) == 0
     """)
+
+
+def test_fused_top_logprobs_match_log_softmax_and_topk() -> None:
+    """engine/native/triton_logprobs.py: rows split into parts, a row whose allowed tokens sit in three parts (a
+    grammar's), a part all forbidden, widths not a multiple of the part."""
+    _interpreted("""
+        import torch
+        from engine.native.triton_logprobs import top_logprobs
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(3, 20000, generator=gen) * 4
+        x[1, :] = -float("inf")
+        x[1, [5, 17000, 9000]] = torch.tensor([1.0, 3.0, 2.0])
+        x[2, 8192:16384] = -float("inf")
+        for k in (1, 5):
+            out = top_logprobs(x, k, -9999.0)
+            values, ids = torch.log_softmax(x, -1).clamp_min(-9999.0).topk(k, -1)
+            torch.testing.assert_close(out[:, :k], values, rtol=0, atol=1e-5)
+            assert torch.equal(out[0, k:].long(), ids[0]) and torch.equal(out[2, k:].long(), ids[2])
+            assert out[1, k:].long().tolist()[:3] == [17000, 9000, 5][:k]
+            assert out[1, :k].tolist()[3:] == [-9999.0] * (k - 3)  # fewer allowed tokens than asked: floored
+    """)
