@@ -209,6 +209,44 @@ def test_a_steps_events_reach_the_loop_while_the_next_step_computes(demo_path, p
     assert 0 < spanned < device and spanned < span
 
 
+def test_a_token_its_grammar_refuses_ends_the_request_with_an_error_and_the_batch_goes_on(
+    demo_path, tokenizer, monkeypatch
+) -> None:
+    """A sampled token waits in its sequence's grammar state until the sequence's next mask is filled; if the
+    grammar refuses it there (the masks were not applied: a bug, simulated here), the request ends with an error
+    event naming the token at its next step, and the request beside it in the batch gets every token it would
+    have got alone."""
+    import asyncio
+
+    from engine.grammar import Grammars, GrammarSpec, TokenMasks
+    from engine.tokenizer import ChatTokenizer
+
+    monkeypatch.setattr(TokenMasks, "apply", lambda self, logits, rows: None)
+    path = demo_path("bf16")
+    engine = _engine(path)
+    grammars = Grammars(ChatTokenizer(path), engine.vocab_size, engine.eos_token_ids)
+    schema = {"type": "object", "properties": {"zq": {"type": "integer"}}, "required": ["zq"]}
+    held = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, grammar=grammars.compile(
+        GrammarSpec.of_schema(schema)))  # fmt: skip
+    free = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    ids = tokenizer.encode("The capital of France is").ids  # greedy goes on with words, never with "{"
+
+    async def run() -> list[list]:
+        streams = [engine.submit(ids, held), engine.submit(ids, free)]
+        engine.start()
+        return [[event async for event in stream] for stream in streams]
+
+    try:
+        held_events, free_events = asyncio.run(run())
+    finally:
+        engine.stop()
+    first, last = held_events[0], held_events[-1]
+    assert len(held_events) == 2 and first.token_id is not None and first.finish_reason is None
+    assert last.finish_reason == "error" and last.error == f"token {first.token_id} does not follow the grammar"
+    alone = _engine(path).generate([ids], free)[0]
+    assert [e.token_id for e in free_events if e.token_id is not None] == alone and free_events[-1].finish_reason
+
+
 def test_stops_on_eos_and_max_tokens(demo_path, tokenizer) -> None:
     from engine.tokenizer import model_eos_ids
 
