@@ -11,13 +11,18 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
-# .whl/opt: what xgrammar needs (transformers and its dependencies), installed only where the image lacks them.
+# .whl/opt: what xgrammar needs (transformers and its dependencies), installed only where the image lacks them, or
+# has them older than the engine needs (tokenizers: DecodeStream came in 0.21).
 OPT=$(python3 - <<'PY'
 import importlib.metadata as md, pathlib
+NEEDS = {"tokenizers": (0, 21)}
 for wheel in sorted(pathlib.Path(".whl/opt").glob("*.whl")):
+    name = wheel.name.split("-")[0]
     try:
-        md.version(wheel.name.split("-")[0])
+        have = tuple(int(p) for p in md.version(name).split(".")[:2] if p.isdigit())
     except md.PackageNotFoundError:
+        have = None
+    if have is None or have < NEEDS.get(name, ()):
         print(wheel)
 PY
 )
