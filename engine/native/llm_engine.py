@@ -235,14 +235,15 @@ class LLMEngine(EngineThread[Sequence]):
             if _scores_prompt(work):
                 scoring.append(i)
         masks = self._fill_masks(step, rows)  # while the forward runs
-        queued: list[QueuedLogprobs | None] = [None]
+        queued: QueuedLogprobs | None = None
 
         def launched(logits: torch.Tensor) -> None:  # queued behind the forward, while it runs:
+            nonlocal queued
             self._outbox.flush()  # the last step's events
             if masks is not None:  # what their grammars allow: the rest becomes -inf
                 assert self._masks is not None
                 self._masks.apply(logits, masks.result())
-            queued[0] = queue_logprobs(logits, [(i, step[i].seq.params) for i in rows])  # of greedy rows
+            queued = queue_logprobs(logits, [(i, step[i].seq.params) for i in rows])  # of greedy rows
 
         out = self.runner.run(step, frozenset(scoring), launched=launched)
         self.stats.device_time(out.device_seconds)
@@ -255,7 +256,7 @@ class LLMEngine(EngineThread[Sequence]):
         if rows:
             logits = out.logits if len(rows) == len(step) else out.logits[rows]
             argmax = None if masks is not None else [out.argmax[i] for i in rows]  # the graph's is of unmasked logits
-            reported = queued[0].report() if queued[0] is not None else None
+            reported = queued.report() if queued is not None else None
             self._advance([step[i].seq for i in rows], logits, argmax,
                           [reported.get(i) for i in rows] if reported is not None else None)  # fmt: skip
 

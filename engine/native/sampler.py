@@ -88,14 +88,11 @@ class QueuedLogprobs:
 
     rows: list[int]  # the logits' rows reported
     tops: list[int]  # alternatives per row
-    packed: torch.Tensor  # [rows, 2k]: the top k log-probabilities, then their ids
+    packed: torch.Tensor  # _pack's rows
 
     def report(self) -> dict[int, TokenLogprobs]:
-        """Each row's logprobs. A greedy row's token is its argmax: its logprob is the top entry's."""
-        host = self.packed.tolist()
-        k = len(host[0]) // 2 if host else 0
-        return {r: TokenLogprobs(row[0], tuple((int(row[k + t]), row[t]) for t in range(n)))
-                for r, row, n in zip(self.rows, host, self.tops, strict=True)}  # fmt: skip
+        """Each row's logprobs."""
+        return dict(zip(self.rows, _unpack(self.packed, self.tops), strict=True))
 
 
 def queue_logprobs(logits: torch.Tensor, asking: list[tuple[int, SamplingParams]]) -> QueuedLogprobs | None:
@@ -107,9 +104,8 @@ def queue_logprobs(logits: torch.Tensor, asking: list[tuple[int, SamplingParams]
         return None
     rows, tops = [row for row, _ in asking], [p.logprobs or 0 for _, p in asking]
     scores = logits if len(rows) == logits.shape[0] else logits[rows]
-    values, ids = scores.topk(max(1, *tops), dim=-1)
-    values = values - torch.logsumexp(scores, dim=-1, keepdim=True)
-    return QueuedLogprobs(rows, tops, torch.cat([values.clamp_(min=LOGPROB_FLOOR), ids.to(values.dtype)], dim=1))
+    # A greedy row's token is its argmax: its logprob is the top entry's.
+    return QueuedLogprobs(rows, tops, _pack(scores, torch.logsumexp(scores, dim=-1), max(1, *tops)))
 
 
 def _logprobs(logits: torch.Tensor, params: list[SamplingParams], chosen: list[int],
@@ -144,17 +140,27 @@ def prompt_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[T
 
 def _report(scores: torch.Tensor, norm: torch.Tensor, tokens: list[int], tops: list[int]) -> list[TokenLogprobs]:
     """Row r's logprob of ``tokens[r]`` and its ``tops[r]`` best alternatives, where a row's log-probabilities are
-    ``scores[r] - norm[r]``; one copy to the host. Only the picked and the top entries are normalized: the whole
-    distribution is never written out (a batch of 64 rows of a 128k vocabulary is 33 MB a pass on the GPU)."""
+    ``scores[r] - norm[r]``; one copy to the host."""
     index = torch.tensor(tokens, device=scores.device).unsqueeze(1)
+    return _unpack(_pack(scores, norm, max(tops, default=0), index), tops)
+
+
+def _pack(scores: torch.Tensor, norm: torch.Tensor, k: int, index: torch.Tensor | None = None) -> torch.Tensor:
+    """[rows, 1 + 2k] on the device, floored at LOGPROB_FLOOR: the logprob of each row's token at ``index`` (None:
+    its top entry's), its k best logprobs, their ids. Only these entries are normalized: the whole distribution is
+    never written out (a batch of 64 rows of a 128k vocabulary is 33 MB a pass on the GPU)."""
     norm = norm.unsqueeze(1)
-    picked = scores.gather(1, index) - norm
-    k = max(tops, default=0)
     values, ids = scores.topk(k, dim=-1) if k else (scores[:, :0], scores[:, :0].long())
     values = values - norm
-    host = torch.cat([picked, values, ids.to(scores.dtype)], dim=1).clamp_(min=LOGPROB_FLOOR).tolist()
+    picked = scores.gather(1, index) - norm if index is not None else values[:, :1]
+    return torch.cat([picked, values, ids.to(scores.dtype)], dim=1).clamp_(min=LOGPROB_FLOOR)
+
+
+def _unpack(packed: torch.Tensor, tops: list[int]) -> list[TokenLogprobs]:
+    """``_pack``'s rows on the host (one copy), row r with its ``tops[r]`` best alternatives."""
+    k = (packed.shape[1] - 1) // 2
     return [TokenLogprobs(row[0], tuple((int(row[1 + k + t]), row[1 + t]) for t in range(n)))
-            for row, n in zip(host, tops, strict=True)]  # fmt: skip
+            for row, n in zip(packed.tolist(), tops, strict=True)]  # fmt: skip
 
 
 def skip_draws(generator: torch.Generator, steps: int, vocab: int, device: torch.device) -> None:
