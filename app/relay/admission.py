@@ -115,10 +115,10 @@ class Admission:
 
     def _take(self) -> Slot | None:
         engine = self.table.active
-        if engine is None or self.board.total(engine.id) >= engine.capacity:
+        held = 0 if engine is None else self.in_use.get(engine.id, 0)
+        if engine is None or not self.board.take(engine.id, held, engine.capacity):
             return None
-        self.in_use[engine.id] = self.in_use.get(engine.id, 0) + 1
-        self._post()
+        self.in_use[engine.id] = held + 1
         return Slot(engine)
 
     def _post(self) -> None:

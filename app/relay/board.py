@@ -5,13 +5,16 @@ it evenly in advance does not work: the kernel hands connections to relays uneve
 128-stream level through two relays whose halves were 80 each ran with requests waiting in one relay while
 the engine had free slots; TTFT p50 1.24 s against 0.12 s). So each relay writes its own count into its slot
 of this board (the active engine's id and how many requests it has there; one writer per slot, one aligned
-8-byte store, so no lock), and admits a request when the board's sum for the engine is under its capacity.
-Two relays that admit at the same moment can pass the capacity by one each: at most by the number of
-relays, a small backlog on top of the backlog.
+8-byte store), and admits a request when the board's sum for the engine is under its capacity. Reading the
+sum and raising one's count happen under an exclusive ``flock`` of the board, so two relays that admit at the
+same moment cannot both take the last place (without it they did: the engine got one request per relay beyond
+its capacity, and a request counted as waiting in the relays was in the engine instead). Lowering a count
+needs no lock; a look that finds the board full takes none either.
 """
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import struct
@@ -23,11 +26,8 @@ _SLOT = struct.Struct("<II")  # engine id, requests there
 class AdmissionBoard:
     def __init__(self, path: Path, index: int) -> None:
         """The board at ``path``, written at slot ``index`` (this relay's)."""
-        fd = os.open(path, os.O_RDWR)
-        try:
-            self._map = mmap.mmap(fd, os.fstat(fd).st_size)
-        finally:
-            os.close(fd)
+        self._fd = os.open(path, os.O_RDWR)  # kept open: its lock is this relay's (one per open file)
+        self._map = mmap.mmap(self._fd, os.fstat(self._fd).st_size)
         self._slots = len(self._map) // _SLOT.size
         if not 0 <= index < self._slots:
             raise ValueError(f"relay index {index} has no slot on a board of {self._slots}")
@@ -55,6 +55,20 @@ class AdmissionBoard:
         """This relay has ``count`` requests at ``engine``."""
         _SLOT.pack_into(self._map, self._offset, engine, count)
 
+    def take(self, engine: int, count: int, capacity: int) -> bool:
+        """Raise this relay's count at ``engine`` from ``count`` to ``count + 1`` if all relays have fewer than
+        ``capacity`` requests there, as one step no other relay's take can come between."""
+        if self.total(engine) >= capacity:
+            return False
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            if self.total(engine) >= capacity:
+                return False
+            self.post(engine, count + 1)
+            return True
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
     def total(self, engine: int) -> int:
         """Requests all relays have at ``engine``."""
         return sum(count for slot, count in _SLOT.iter_unpack(self._map) if slot == engine)
@@ -68,3 +82,4 @@ class AdmissionBoard:
 
     def close(self) -> None:
         self._map.close()
+        os.close(self._fd)
