@@ -1,19 +1,21 @@
 """An engine process's host work per generated token, thread by thread, on the CPU: the real engine worker (its
 HTTP server, text, SSE framing, the internal stream the relays read, its scheduler and sampler) with the model
 runner's step as a CUDA graph's looks from the host: its inputs staged and copied with two torch calls (the
-upload), then a sleep of ``--step-ms`` (the GPU's step: the engine thread waits without the GIL, as in a CUDA
-synchronize), then logits made once and their argmax. Streaming clients read it on its socket, as the relays do.
+upload), then launched on a stand-in GPU that runs each step for ``--step-ms`` after the one before it; a step's
+tokens are read (``Drawn.read``) once its time there ended, the engine thread waiting without the GIL, as on a
+CUDA event. The logits are made once, with their argmax. Streaming clients read it on its socket, as the relays
+do.
 
     python bench/engine_host.py [--streams 64] [--step-ms 6] [--seconds 20] [--logprobs N]
                                 [--profile engine|loop] [--out FILE]
 
 Reported: output tokens/s; CPU microseconds per generated token of the engine thread, the HTTP loop (the main
 thread) and the rest of the process (from /proc, per thread); the stand-in GPU's idle share between back-to-back
-steps (``gpu_idle``: the host's time from one step's end to the next one's launch, over the step's wall time,
-``step_wall_ms``), and the engine's own figure for it from its ``engine_stats`` lines (``engine_device_idle``);
-and the cores the clients used (on a machine of two cores they compete with the engine: read tokens/s there
-with that in mind). ``--profile``: that thread's functions under cProfile (its overhead inflates every figure:
-read them as shares).
+steps (``gpu_idle``: the time it had no step to run, from one step's end to the next one's launch, over the steps'
+wall time; ``step_wall_ms``), and the engine's own figure for it from its ``engine_stats`` lines
+(``engine_device_idle``); and the cores the clients used (on a machine of two cores they compete with the engine:
+read tokens/s there with that in mind). ``--profile``: that thread's functions under cProfile (its overhead inflates
+every figure: read them as shares).
 """
 
 from __future__ import annotations
@@ -48,6 +50,29 @@ def worker(socket_path: str, config: str, step_ms: float, profile: Path | None) 
     from engine.native.model_runner import StepOutput
 
     original = llm_engine.LLMEngine.__init__
+    gpu = {"steps": 0, "busy": 0.0, "idle": 0.0, "free_at": 0.0}  # the stand-in GPU's time, for GAPS_FILE
+    step_s = step_ms / 1e3
+
+    class Timing:
+        def seconds(self) -> float:
+            return step_s
+
+    drawing = llm_engine.draw
+
+    def draw(*args: Any, **kwargs: Any) -> Any:
+        """A step's tokens (the step launched last), read once the stand-in GPU has run it."""
+        drawn, ends = drawing(*args, **kwargs), gpu["free_at"]
+        read = drawn.read
+
+        def read_when_done() -> Any:
+            if (wait := ends - time.perf_counter()) > 0:
+                time.sleep(wait)
+            return read()
+
+        drawn.read = read_when_done
+        return drawn
+
+    llm_engine.draw = draw
 
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
@@ -55,30 +80,28 @@ def worker(socket_path: str, config: str, step_ms: float, profile: Path | None) 
         logits_rows = torch.randn(runner.max_seqs, self.args.shape.vocab, generator=torch.Generator().manual_seed(0))
         argmax = logits_rows.argmax(dim=-1)
 
-        gpu = {"steps": 0, "busy": 0.0, "idle": 0.0, "last": None}  # the stand-in GPU's time, for GAPS_FILE
         # The device's copies of the staged inputs: on a GPU they are uploaded with two torch calls, and a torch
         # call lets go of the GIL, which the HTTP loop may then hold (the runner's meta and tables are the host
         # buffers themselves on the CPU, so copies stand in for them).
         meta, tables = runner.host.clone(), runner.host_tables.clone()
 
-        def run(step: Any, every_token: Any = frozenset(), launched: Any = lambda logits: None) -> StepOutput:
-            """A CUDA graph's step on the host: stage the inputs, launch, wait for the GPU, read the argmax."""
+        def run(step: Any, every_token: Any = frozenset(), drawn: Any = None) -> StepOutput:
+            """A CUDA graph's step on the host: stage the inputs, upload them, launch (the stand-in GPU starts it when
+            the step before it ends)."""
             seqs = len(step)
             runner._stage(step, sum(w.count for w in step), seqs)
             meta.copy_(runner.host)
             tables[:seqs].copy_(runner.host_tables[:seqs])
-            began = time.perf_counter()
-            launched(logits_rows[:seqs])
-            time.sleep(step_ms / 1e3)  # the GPU's step, waited for without the GIL
-            ended = time.perf_counter()
-            if gpu["last"] is not None and began - gpu["last"] < 0.1:  # back to back: the GPU idled in between
+            now = time.perf_counter()
+            if 0 < now - gpu["free_at"] < 0.1:  # back to back, but the GPU ran out of work: it idled until now
+                gpu["idle"] += now - gpu["free_at"]
+            if now - gpu["free_at"] < 0.1:
                 gpu["steps"] += 1
-                gpu["busy"] += ended - began
-                gpu["idle"] += began - gpu["last"]
-            gpu["last"] = ended
+                gpu["busy"] += step_s
+            gpu["free_at"] = max(now, gpu["free_at"]) + step_s
             if gpu["steps"] % 50 == 0:
                 Path(socket_path + GAPS_FILE).write_text(json.dumps(gpu))
-            return StepOutput(logits_rows[:seqs], argmax[:seqs].tolist(), device_seconds=ended - began)
+            return StepOutput(logits_rows[:seqs], argmax[:seqs], Timing())  # type: ignore[arg-type]
 
         runner.run = run
 

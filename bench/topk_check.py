@@ -1,4 +1,4 @@
-"""The device cost of a greedy batch's logprobs (engine/native/sampler.py's queue_logprobs): torch.topk and
+"""The device cost of a greedy batch's logprobs (engine/native/sampler.py's _logprobs): torch.topk and
 torch.logsumexp over [64, vocab] float32 logits, against a two-stage top-k (the best k of each run of 256 ids,
 then the best k of those) and, on CUDA, the fused Triton kernel (engine/native/triton_logprobs.py: log-sum-exp and
 top k in one read), which must give the same entries. Microseconds per call, 50 calls after 3 warm-ups.

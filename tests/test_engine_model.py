@@ -161,10 +161,13 @@ def test_prefix_caching_changes_no_greedy_token(demo_path, tokenizer) -> None:
     assert tight.kv_blocks_free == tight.kv_blocks_total
 
 
-def test_a_steps_events_reach_the_loop_while_the_next_step_computes(demo_path, prompt_ids, monkeypatch) -> None:
-    """The engine thread hands a step's token events to the event loop once the next step's work is launched (the
-    loop turns them into chunks while the device computes, not while the next step is being scheduled), and when
-    no step follows, at once: every stream gets every token, in order. The step statistics see the device's time
+def test_steps_overlap_and_a_steps_events_reach_the_loop_once_the_step_after_next_is_launched(
+    demo_path, prompt_ids, monkeypatch
+) -> None:
+    """The engine thread launches step N+1 before it reads step N's tokens (the device takes them from step N's
+    own, on the device), and hands step N's events to the event loop once step N+2 is launched; when no step
+    follows, at once: every stream gets every token, in order, the same as one step at a time (``generate`` of a
+    fresh engine is the reference: same tokens by batch invariance). The step statistics see the device's time
     in the steps and the host's between them."""
     import asyncio
 
@@ -172,14 +175,12 @@ def test_a_steps_events_reach_the_loop_while_the_next_step_computes(demo_path, p
 
     monkeypatch.setattr(llm_engine, "STATS_INTERVAL", 1e9)  # one window: no reset while the test runs
     engine = _engine(demo_path("bf16"))
-    run, waiting_at_launch = engine.runner.run, []
+    run, at_launch = engine.runner.run, []
 
-    def recording_run(step, every_token=frozenset(), launched=lambda logits: None):
-        def launch(logits) -> None:
-            waiting_at_launch.append((len(step), len(engine._outbox._events)))
-            launched(logits)
-
-        return run(step, every_token, launch)
+    def recording_run(step, every_token=frozenset(), drawn=None):
+        # (sequences, events waiting to be handed over, tokens of the step before not read yet)
+        at_launch.append((len(step), len(engine._outbox._events), sum(work.seq.pending for work in step)))
+        return run(step, every_token, drawn)
 
     engine.runner.run = recording_run
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -197,15 +198,16 @@ def test_a_steps_events_reach_the_loop_while_the_next_step_computes(demo_path, p
     finally:
         engine.stop()
     assert served == _engine(demo_path("bf16")).generate(prompt_ids[:3], params)
-    # The first step prefills the three prompts and samples their first tokens; each decode step after it finds
-    # the previous step's three events still waiting when it launches, and hands them over then.
-    assert waiting_at_launch[0] == (3, 0)
-    assert waiting_at_launch[1:] == [(3, 3)] * 5
-    assert not engine._outbox._events
+    # Step 0 prefills the three prompts; step 1 is launched before step 0's tokens are read (3 pending), and
+    # so is every step after it; from step 2 on, the events of the step before the last wait at each launch.
+    # Six tokens each: step 5 draws the last, and no step 6 is launched for a token nobody would read.
+    assert at_launch == [(3, 0, 0), (3, 0, 3)] + [(3, 3, 3)] * 4
+    assert not engine._outbox._events and not engine._launched and not engine._drawn
     steps, device, span, spanned = (now - then for now, then in zip(
         (stats.steps, stats.device, stats.span, stats.spanned_device), before, strict=True))  # fmt: skip
     assert steps == 6 and device > 0
-    # Six steps, each but the last followed at once: five spans, each holding its step's device time and more.
+    # Six steps, each but the last launched on before it was read: five spans, each holding its step's device time
+    # and more (on the CPU the forward runs on the thread that launches it).
     assert 0 < spanned < device and spanned < span
 
 

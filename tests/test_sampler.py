@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.native.sampler import sample
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import LOGPROB_FLOOR, SamplingParams
 
 PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
 
@@ -44,7 +44,6 @@ def test_seeded_rows_repeat_and_greedy_rows_take_the_argmax() -> None:
 def test_logprobs_are_of_the_distribution_each_token_was_drawn_from() -> None:
     import math
 
-    from engine.sampling_params import LOGPROB_FLOOR
 
     logits = PROBS.log().repeat(3, 1)
     params = [SamplingParams(temperature=0, logprobs=2), SamplingParams(temperature=1.0, top_k=2, logprobs=3),
@@ -62,30 +61,35 @@ def test_logprobs_are_of_the_distribution_each_token_was_drawn_from() -> None:
     assert cut.logprob == dict(cut.top)[out.tokens[1]]
 
 
-def test_greedy_logprobs_queued_before_the_wait_equal_those_computed_after_it() -> None:
-    """engine/native/llm_engine.py queues a greedy batch's logprobs behind the step's logits (queue_logprobs);
-    they must be what ``sample`` would have computed, row by row, and nothing is queued for a row that is sampled or
-    penalized (its distribution is known only after the draw)."""
+def test_a_drawn_batch_is_the_softmaxs_and_leaves_the_graphs_argmax_as_it_was() -> None:
+    """``draw`` queues a batch's tokens and logprobs (the engine launches its next step before it reads them): the
+    tokens stay on the logits' device for the next step's inputs, a greedy row's logprobs are the plain softmax's
+    (its token the top entry, a forbidden token floored), and the argmax it was given (a CUDA graph's own output,
+    read again by the graph's next replay) is not written into when a row of the batch is sampled."""
     import math
 
-    from engine.native.sampler import queue_logprobs
+    from engine.native.sampler import draw
 
     torch.manual_seed(1)
-    logits = torch.randn(5, 300) * 4
+    logits = torch.randn(6, 300) * 4
     logits[3, 7] = -float("inf")  # a token a grammar forbade
-    params = [SamplingParams(temperature=0, logprobs=n) for n in (0, 1, 5, 20)] + [SamplingParams(temperature=0)]
-    queued = queue_logprobs(logits, list(enumerate(params)))
-    assert queued is not None and queued.rows == [0, 1, 2, 3]
-    early = queued.report()
-    late = sample(logits, params, [[] for _ in params], [None] * len(params))
-    assert late.logprobs[4] is None and 4 not in early
+    params = [SamplingParams(temperature=0, logprobs=n) for n in (0, 1, 5, 20)]
+    params += [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=3, logprobs=2)]
+    argmax = logits.argmax(dim=-1)
+    given = argmax.clone()
+    drawn = draw(logits, params, [[] for _ in params], [None] * 5 + [torch.Generator().manual_seed(3)], argmax)
+    out = drawn.read()
+    assert torch.equal(argmax, given)
+    assert drawn.tokens.tolist() == out.tokens and out.tokens[:5] == given[:5].tolist()
+    assert out.logprobs[4] is None and out.logprobs[5] is not None
+    reference = torch.log_softmax(logits, dim=-1)
     for row in range(4):
-        a, b = early[row], late.logprobs[row]
-        assert b is not None and len(a.top) == len(b.top) == params[row].logprobs
-        assert math.isclose(a.logprob, b.logprob, abs_tol=1e-5)
-        assert [t for t, _ in a.top] == [t for t, _ in b.top]
-        assert all(math.isclose(x, y, abs_tol=1e-5) for (_, x), (_, y) in zip(a.top, b.top, strict=True))
-    sampled = [*params[:2], SamplingParams(temperature=1.0, logprobs=2)]
-    assert queue_logprobs(logits, list(enumerate(sampled))) is None
-    assert queue_logprobs(logits, [(0, SamplingParams(temperature=0, logprobs=1, presence_penalty=0.5))]) is None
-    assert queue_logprobs(logits, [(0, SamplingParams(temperature=0))]) is None
+        entry = out.logprobs[row]
+        assert entry is not None and len(entry.top) == params[row].logprobs
+        assert math.isclose(entry.logprob, float(reference[row].max()), abs_tol=1e-5)
+        values, ids = reference[row].topk(params[row].logprobs or 1)
+        assert [t for t, _ in entry.top] == ids.tolist()[: len(entry.top)]
+        assert all(math.isclose(x, float(y), abs_tol=1e-5) for (_, x), y in zip(entry.top, values, strict=False))
+    forbidden = draw(logits[3:4], [SamplingParams(temperature=0, logprobs=1)], [[]], [None],
+                     torch.tensor([7])).read()  # fmt: skip
+    assert forbidden.logprobs[0] is not None and forbidden.logprobs[0].logprob == LOGPROB_FLOOR

@@ -170,3 +170,29 @@ def test_a_preempted_sequence_leaves_its_shared_blocks_to_the_other_and_takes_th
     step = scheduler.schedule()  # second comes back through the cache: its own full blocks were cached too
     assert step[0].seq is second and step[0].start >= 4
     assert second.blocks[0] == shared and allocator.refs[shared] == 1
+
+
+def test_a_block_whose_last_token_is_still_on_the_device_is_cached_once_the_token_is_read() -> None:
+    """The engine launches a step before it reads the step before's tokens: a decode token's place is computed while
+    the host does not know the token yet. The block it fills is not cached under a hash of tokens the host does not
+    have; it is once the token is read. A sequence whose pending token is its last gets no step."""
+    scheduler = _caching(8)
+    seq = _seq("a", 7)
+    seq.limit = 10
+    scheduler.add(seq)
+    step = scheduler.schedule()  # the prompt: positions 0-6, block 0 full
+    scheduler.computed(step)
+    seq.pending = 1  # its first token, drawn on the device
+    step = scheduler.schedule()  # position 7 (its token pending), in block 1
+    assert [(w.start, w.count, w.samples) for w in step] == [(7, 1, True)]
+    scheduler.computed(step)
+    seq.pending = 2  # the next token, drawn too
+    hashes = seq.block_hashes(1, 4)
+    assert scheduler.allocator.cached_prefix(hashes) == seq.blocks[:1]  # block 1 waits for position 7's token
+    seq.output.append(42)  # read
+    seq.pending = 1
+    scheduler.remember(seq)
+    assert scheduler.allocator.cached_prefix(seq.block_hashes(2, 4)) == seq.blocks[:2]
+    seq.output.append(43)
+    seq.pending = 1  # position 9's token is being drawn: the last one (limit 10)
+    assert seq.length == seq.limit and scheduler.schedule() == []

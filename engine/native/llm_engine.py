@@ -4,6 +4,14 @@ The HTTP server talks to it through ``submit`` (from its asyncio loop) and itera
 returned RequestStream; everything blocking (model forward, sampling) runs on the
 engine's own thread. A step's token events reach the loop in one hand-over, not one per token:
 the thread that feeds the GPU does no text work and wakes the loop once per step.
+
+Steps overlap on the host: while the device runs step N, the engine thread reads step N-1's tokens (ends
+what they end, hands their events over), schedules and launches step N+1, and between the two queues step
+N's sampling behind its forward. Step N+1's sequences take step N's tokens on the device (they are not on
+the host yet), so the device goes from one step to the next without waiting for the host. A sequence whose
+step-N token ends it (an end-of-sequence token, a stop token) has a row in step N+1 that is thrown away; a
+sequence whose last token by its length is being drawn gets none. vLLM's v1 engine (async scheduling) and
+SGLang (overlap scheduler) do the same.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ import logging
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,10 +36,10 @@ from engine.memory_plan import DeviceMemory, MemoryPlan, default_max_num_seqs, w
 from engine.memory_plan import plan as plan_memory
 from engine.native.kv_cache import BlockAllocator, KVCache, KVCacheSpec, kv_bytes_per_token
 from engine.native.model import ModelArgs, Transformer
-from engine.native.model_runner import ModelRunner
-from engine.native.sampler import QueuedLogprobs, prompt_logprobs, queue_logprobs, sample, skip_draws
+from engine.native.model_runner import ModelRunner, StepOutput
+from engine.native.sampler import Drawn, draw, prompt_logprobs, skip_draws, to_device
 from engine.native.scheduler import Scheduled, Scheduler, Sequence
-from engine.request_stream import EngineThread, RequestStream, TokenEvent, TokenLogprobs
+from engine.request_stream import EngineThread, RequestStream, TokenEvent
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import model_eos_ids
 from engine.weights import LoadedWeights, WeightOrigin, WeightSource, weight_source
@@ -48,7 +57,9 @@ class LLMEngine(EngineThread[Sequence]):
         self.startup_phases: dict[str, float] = {}
         self.stats = StepStats(self)
         self._masks: TokenMasks | None = None  # the grammars' token masks, one row per sequence sampled in a step
-        self._masker: ThreadPoolExecutor | None = None  # fills them while the forward runs
+        self._masker: ThreadPoolExecutor | None = None  # fills them while the next step is scheduled
+        self._launched: _Launched | None = None  # the step on the device, its tokens not drawn yet
+        self._drawn: _Launched | None = None  # the step before it: its tokens drawn, not read yet
         with self._phase("device_init"):
             self.device = resolve_device(config.device)
             if self.device.type == "cuda":
@@ -144,7 +155,7 @@ class LLMEngine(EngineThread[Sequence]):
         for i, prompt in enumerate(prompts):
             self._check(prompt, params)
             self.scheduler.add(self._sequence(f"gen-{i}", prompt, params, lambda e, out=outputs[i]: _collect(out, e)))
-        while not self.scheduler.idle:
+        while not self._idle():
             self._step()
         return outputs
 
@@ -188,20 +199,24 @@ class LLMEngine(EngineThread[Sequence]):
     # -- the scheduler thread (engine/request_stream.py's EngineThread) ---------------------
 
     def _idle(self) -> bool:
-        return self.scheduler.idle
+        return self.scheduler.idle and self._launched is None and self._drawn is None
 
     def _steps_on(self) -> bool:
-        return not self.scheduler.idle  # and _step hands the events over, at the latest before it returns
+        return not self._idle()  # and _step hands the events over, at the latest before it returns
 
     def _work(self, pending: list[Sequence]) -> None:
         for seq in pending:
             self.scheduler.add(seq)
+        began = time.perf_counter()
         self._step()
-        self.stats.step_done()
+        self.stats.step_done(time.perf_counter() - began)
 
     def _fail(self, error: str) -> None:
+        self._launched = self._drawn = None  # what they drew is lost: a waiting sequence draws it again
         for seq in [*self.scheduler.running]:
             self._finish(seq, TokenEvent(None, "error", error=error))
+        for seq in self.scheduler.waiting:
+            seq.pending = 0
 
     def _abort_all(self) -> None:
         for seq in [*self._inbox, *self.scheduler.waiting, *self.scheduler.running]:
@@ -217,54 +232,47 @@ class LLMEngine(EngineThread[Sequence]):
 
     @torch.inference_mode()
     def _step(self) -> None:
+        """Read step N-1's tokens, fill step N's grammar masks, schedule step N+1, queue step N's sampling, launch
+        step N+1, hand step N-1's events over; the device computes step N meanwhile."""
         for seq in [*self.scheduler.waiting, *self.scheduler.running]:
             if seq.is_cancelled():
                 self._finish(seq, TokenEvent(None, "abort"))
+        drawn, self._drawn = self._drawn, None
+        if drawn is not None:
+            self._complete(drawn)
+        launched, self._launched = self._launched, None
+        masks = self._fill_masks(launched) if launched is not None else None  # beside the scheduling
         step = self.scheduler.schedule()
-        if not step:
-            self._outbox.flush()
-            return
-        self._publish()
-        self.stats.step_begin(step)
+        if step:
+            self._publish()
+        if launched is not None:
+            self._draw(launched, masks)
+            self._drawn = launched
+        if step:
+            self._launched = self._launch(step, launched)
+        self._outbox.flush()  # step N-1's events: the loop turns them into chunks while the device computes
+
+    def _launch(self, step: list[Scheduled], before: _Launched | None) -> _Launched:
+        """Put the step on the device, its sequences' pending tokens taken from the step ``before``'s."""
+        began = self.stats.step_begin(step)
         # Partial prompt chunks sample nothing, nor does a prompt only scored (max_tokens 0).
-        rows: list[int] = []
-        scoring: list[int] = []
-        for i, work in enumerate(step):
-            if work.samples and work.seq.params.max_tokens:
-                rows.append(i)
-            if _scores_prompt(work):
-                scoring.append(i)
-        masks = self._fill_masks(step, rows)  # while the forward runs
-        queued: QueuedLogprobs | None = None
-
-        def launched(logits: torch.Tensor) -> None:  # queued behind the forward, while it runs:
-            nonlocal queued
-            self._outbox.flush()  # the last step's events
-            if masks is not None:  # what their grammars allow: the rest becomes -inf
-                assert self._masks is not None
-                self._masks.apply(logits, masks.result())
-            queued = queue_logprobs(logits, [(i, step[i].seq.params) for i in rows])  # of greedy rows
-
-        out = self.runner.run(step, frozenset(scoring), launched=launched)
-        self.stats.device_time(out.device_seconds)
-        for i, logits in out.all_logits.items():
-            _collect_prompt_logprobs(step[i], logits)
+        rows = [i for i, work in enumerate(step) if work.samples and work.seq.params.max_tokens]
+        scoring = frozenset(i for i, work in enumerate(step) if _scores_prompt(work))
+        tokens = before.drawn.tokens if before is not None and before.drawn is not None else None
+        out = self.runner.run(step, scoring, tokens)
         self.scheduler.computed(step)
-        for work in step:
-            if work.samples and not work.seq.params.max_tokens:  # a prompt scored, nothing generated
-                self._finish(work.seq, TokenEvent(None, "length", prompt_logprobs=_prompt_logprobs(work.seq)))
-        if rows:
-            logits = out.logits if len(rows) == len(step) else out.logits[rows]
-            argmax = None if masks is not None else [out.argmax[i] for i in rows]  # the graph's is of unmasked logits
-            reported = queued.report() if queued is not None else None
-            self._advance([step[i].seq for i in rows], logits, argmax,
-                          [reported.get(i) for i in rows] if reported is not None else None)  # fmt: skip
+        for row, i in enumerate(rows):
+            seq = step[i].seq
+            seq.pending += 1
+            seq.pending_row = row
+        return _Launched(step, rows, out, began)
 
-    def _fill_masks(self, step: list[Scheduled], rows: list[int]) -> Future[list[int]] | None:
-        """The token masks of the sampling rows whose sequences follow a grammar (row i of the bitmask for step[i]),
-        filled in a helper thread while this one runs the step's forward: a mask depends only on the tokens
-        sampled so far, which the helper accepts first (GrammarState.catch_up). The future gives the rows."""
-        constrained = [i for i in rows if step[i].seq.grammar is not None]
+    def _fill_masks(self, launched: _Launched) -> Future[list[int]] | None:
+        """The token masks of the step's sampling rows whose sequences follow a grammar (row i of the bitmask for
+        step[i]), filled in a helper thread while this one schedules the next step: a mask depends only on the
+        tokens sampled so far, which the helper accepts first (GrammarState.catch_up). The future gives the rows."""
+        step = launched.step
+        constrained = [i for i in launched.rows if step[i].seq.grammar is not None and not step[i].seq.finished]
         if not constrained:
             return None
         if self._masks is None:
@@ -279,11 +287,45 @@ class LLMEngine(EngineThread[Sequence]):
         assert self._masker is not None
         return self._masker.submit(fill)
 
-    def _advance(self, seqs: list[Sequence], logits: torch.Tensor, argmax: list[int] | None = None,
-                 reported: list[TokenLogprobs | None] | None = None) -> None:  # fmt: skip
-        params, outputs = [s.params for s in seqs], [s.output for s in seqs]
-        sampled = sample(logits, params, outputs, [s.generator for s in seqs], argmax, reported)
-        for seq, token, logprobs in zip(seqs, sampled.tokens, sampled.logprobs, strict=True):
+    def _draw(self, launched: _Launched, masks: Future[list[int]] | None) -> None:
+        """Queue the step's tokens (and logprobs) behind its forward: its sequences' outputs are known up to the
+        step before, which is what penalties and grammars need."""
+        step, rows, out = launched.step, launched.rows, launched.out
+        if not rows:
+            return
+        logits = out.logits
+        argmax: torch.Tensor | None = out.argmax
+        if masks is not None:  # what their grammars allow: the rest becomes -inf
+            assert self._masks is not None
+            self._masks.apply(logits, masks.result())
+            argmax = None  # the graph's is of unmasked logits
+        if len(rows) < len(step):
+            index = to_device(rows, logits.device)
+            logits = logits.index_select(0, index)
+            argmax = argmax.index_select(0, index) if argmax is not None else None
+        seqs = [step[i].seq for i in rows]
+        launched.drawn = draw(logits, [s.params for s in seqs], [s.output for s in seqs], [s.generator for s in seqs],
+                              argmax)  # fmt: skip
+
+    def _complete(self, landed: _Launched) -> None:
+        """The step's tokens read: appended, checked against each request's ends, handed over as events."""
+        step, out = landed.step, landed.out
+        sampled = landed.drawn.read() if landed.drawn is not None else None
+        after = self._launched
+        self.stats.device_time(landed.began, out.timing.seconds(), after.began if after is not None else None)
+        for i, logits in out.all_logits.items():
+            _collect_prompt_logprobs(step[i], logits)
+        for work in step:
+            seq = work.seq
+            if work.samples and not seq.params.max_tokens and not seq.finished:  # a prompt scored, nothing generated
+                self._finish(seq, TokenEvent(None, "length", prompt_logprobs=_prompt_logprobs(seq)))
+        if sampled is None:
+            return
+        for i, token, logprobs in zip(landed.rows, sampled.tokens, sampled.logprobs, strict=True):
+            seq = step[i].seq
+            seq.pending -= 1
+            if seq.finished:  # ended by the step before (this row was thrown away), cancelled, or failed
+                continue
             reason = None
             p = seq.params
             if seq.grammar is not None:
@@ -293,9 +335,10 @@ class LLMEngine(EngineThread[Sequence]):
                     continue
                 seq.grammar.pending.append(token)  # accepted before its next mask is filled
             seq.output.append(token)
+            self.scheduler.remember(seq)  # a block its pending token filled
             if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
                 reason = "stop"
-            elif len(seq.output) >= p.max_tokens or seq.length >= self.max_model_len:
+            elif len(seq.output) >= p.max_tokens or seq.known >= self.max_model_len:
                 reason = "length"
             event = TokenEvent(token, reason, logprobs=logprobs, prompt_logprobs=_prompt_logprobs(seq))
             if reason:
@@ -311,7 +354,8 @@ class LLMEngine(EngineThread[Sequence]):
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        return Sequence(request_id, list(prompt), params, emit, generator=generator)
+        return Sequence(request_id, list(prompt), params, emit, generator=generator,
+                        limit=min(len(prompt) + params.max_tokens, self.max_model_len))  # fmt: skip
 
     def _check(self, prompt: list[int], params: SamplingParams) -> None:
         if not prompt:
@@ -329,47 +373,39 @@ class StepStats:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.queried = self.hit = 0  # the allocator's prefix-cache counters at the last engine_stats line
-        # The last step's start and device time, and whether the step after it followed at once (work was left).
-        self._last: tuple[float, float] | None = None
-        self._follows = False
         self._reset(time.perf_counter())
 
     def _reset(self, now: float) -> None:
         self.since = now
         self.steps = self.prompt_tokens = self.generated = 0
         self.busy = self.longest = self.device = 0.0
-        # Steps that followed one another at once: from one's start to the next one's, and the device's time in
-        # them. What the device did not spend of it, the host did (scheduling, staging, sampling, waiting for the
-        # GIL): the device's idle share.
+        # Steps launched while the one before was still unread: from one's launch to the next one's, and the
+        # device's time in them. What the device did not spend of it, it waited for the host (scheduling,
+        # staging, sampling, the GIL): the device's idle share (none when the host keeps ahead: a step launched
+        # while the one before still runs makes a span shorter than its device time).
         self.span = self.spanned_device = 0.0
-        self._began: float | None = None
 
-    def step_begin(self, step: list[Any]) -> None:
-        self._began = now = time.perf_counter()
-        if self._follows and self._last is not None:
-            self.span += now - self._last[0]
-            self.spanned_device += self._last[1]
-        self._last = None
+    def step_begin(self, step: list[Any]) -> float:
+        """A step is launched now (returned)."""
         self.steps += 1
         for work in step:
             if work.samples:
                 self.generated += 1
             if work.start < len(work.seq.prompt):
                 self.prompt_tokens += min(work.count, len(work.seq.prompt) - work.start)
+        return time.perf_counter()
 
-    def device_time(self, seconds: float) -> None:
-        """The device's time on the step begun last."""
-        assert self._began is not None
+    def device_time(self, began: float, seconds: float, next_began: float | None) -> None:
+        """The device's time on the step launched at ``began``, read once it is done; ``next_began``: when the step
+        after it was launched, if one was before this one was read."""
         self.device += seconds
-        self._last = (self._began, seconds)
+        if next_began is not None:
+            self.span += next_began - began
+            self.spanned_device += seconds
 
-    def step_done(self) -> None:
-        if self._began is None:  # nothing was scheduled
-            self._follows = False
-            return
+    def step_done(self, took: float) -> None:
+        """One turn of the engine thread (``_step``) took ``took`` seconds."""
         now = time.perf_counter()
-        took, self._began = now - self._began, None
-        self._follows = not self.engine.scheduler.idle
         self.busy += took
         self.longest = max(self.longest, took)
         if now - self.since >= STATS_INTERVAL and self.steps:
@@ -384,7 +420,7 @@ class StepStats:
                       prefix_hit_rate=round(hit / queried, 3) if queried else 0.0,
                       steps=self.steps, step_ms_mean=1e3 * self.busy / self.steps, step_ms_max=1e3 * self.longest,
                       device_ms_mean=1e3 * self.device / self.steps,
-                      device_idle=round(1 - self.spanned_device / self.span, 3) if self.span else None,
+                      device_idle=round(max(0.0, 1 - self.spanned_device / self.span), 3) if self.span else None,
                       busy=self.busy / window, preemptions=scheduler.preemptions)  # fmt: skip
             self._reset(now)
 
@@ -422,6 +458,18 @@ def _prompt_logprobs(seq: Sequence) -> tuple[Any, ...] | None:
     """The prompt's logprobs, once (on the sequence's first event)."""
     got, seq.prompt_logprobs = seq.prompt_logprobs, None
     return tuple(got) if got is not None else None
+
+
+@dataclass
+class _Launched:
+    """A step put on the device: its work, the indexes of the sequences it draws a token for (``rows``), its
+    outputs, when it was launched; then its tokens, queued behind it (``LLMEngine._draw``)."""
+
+    step: list[Scheduled]
+    rows: list[int]
+    out: StepOutput
+    began: float
+    drawn: Drawn | None = None
 
 
 def _collect(out: list[int], event: TokenEvent) -> None:

@@ -5,6 +5,12 @@ or graphed, reads the same tensors. On CUDA every graph is captured at start-up,
 worker reports ready: decode steps (one token per sequence) by batch size, and mixed steps
 (prompt chunks with decode tokens) by total tokens, with room for every sequence. Padding rows
 write their keys into the null block and belong to no sequence; padding sequences have no rows.
+
+``run`` launches a step and returns without waiting for it: the engine stages the next step while the
+device computes this one. A sequence's newest token may not be on the host yet (drawn by the step before,
+still on the device): the stager leaves its place empty and the device copies it in from that step's tokens
+before the forward. Two pinned staging buffers take turns, so the next step's inputs are written while this
+step's are still being uploaded.
 """
 
 from __future__ import annotations
@@ -13,7 +19,6 @@ import functools
 import itertools
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,10 +43,10 @@ def mixed_buckets(max_tokens: int) -> list[int]:
 
 @dataclass(frozen=True)
 class StepOutput:
-    logits: torch.Tensor  # [S, vocab] float32, row s for the step's s-th sequence
-    argmax: list[int]  # row-wise argmax of logits
+    logits: torch.Tensor  # [S, vocab] float32, row s for the step's s-th sequence (a graph's: valid until the next)
+    argmax: torch.Tensor  # [S] int64, row-wise argmax of logits, on the device
+    timing: StepTiming  # the device's time on the step's work
     all_logits: dict[int, torch.Tensor] = field(default_factory=dict)  # s -> [count, vocab]: every token's (asked)
-    device_seconds: float = 0.0  # the device's time on the step's work (CUDA events; on the CPU the forward's)
 
 
 class ModelRunner:
@@ -55,42 +60,55 @@ class ModelRunner:
         self.max_tokens = max(max_tokens, max_seqs)  # a decode step of every sequence always fits
         self.width = math.ceil(max_model_len / self.block_size)  # block-table columns
         t, s = self.max_tokens, self.max_seqs
-        # One int64 buffer: tokens, positions, slots [T]; logits rows [S]; query starts [S + 1]; lengths [S].
+        # One int64 buffer: tokens, positions, slots [T]; logits rows [S]; query starts [S + 1]; lengths [S]; and
+        # the tokens to copy in on the device: where they go, which row of the earlier step's tokens [S each].
         self.offsets = {"tokens": 0, "positions": t, "slots": 2 * t, "logits": 3 * t, "starts": 3 * t + s,
-                        "lengths": 3 * t + 2 * s + 1, "end": 3 * t + 3 * s + 1}  # fmt: skip
+                        "lengths": 3 * t + 2 * s + 1, "into": 3 * t + 3 * s + 1, "from": 3 * t + 4 * s + 1,
+                        "end": 3 * t + 5 * s + 1}  # fmt: skip
         pin = self.device.type == "cuda"
-        self.host = torch.zeros(self.offsets["end"], dtype=torch.long, pin_memory=pin)
-        self.host_np = self.host.numpy()
-        self.host_tables = torch.zeros(s, self.width, dtype=torch.int32, pin_memory=pin)
-        self.host_tables_np = self.host_tables.numpy()
-        # On CPU the staged inputs are the model's inputs; on CUDA they are copied over once per step.
+        # On CPU the staged inputs are the model's inputs; on CUDA they are copied over once per step, from one of
+        # two pinned buffers in turn (each with the event of its last upload).
+        self._staging = [_Staging(self.offsets["end"], s, self.width, pin) for _ in range(2 if pin else 1)]
+        self._turn = 0
+        self.host, self.host_np, self.host_tables, self.host_tables_np = self._staging[0].buffers()
         self.meta = self.host if not pin else torch.zeros_like(self.host, device=self.device)
         self.tables = self.host_tables if not pin else torch.zeros_like(self.host_tables, device=self.device)
-        self.argmax_host = torch.zeros(s, dtype=torch.long, pin_memory=pin)
-        self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
         self.decode_sizes = decode_buckets(s)
         self.mixed_sizes = mixed_buckets(self.max_tokens)
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.capture_parts: dict[str, float] = {}  # host seconds spent warming up, capturing, replaying graphs
-        self.clock = DeviceClock(self.device)
 
     # -- inputs ----------------------------------------------------------------------------
 
     def _stage(self, step: list[Scheduled], tokens: int, seqs: int) -> int:
-        """Write the step's inputs into the host buffer, padded to ``tokens`` rows and ``seqs`` sequences."""
+        """Write the step's inputs into a host buffer, padded to ``tokens`` rows and ``seqs`` sequences; returns
+        how many tokens the device copies in (``_upload``)."""
+        if len(self._staging) > 1:
+            self._turn ^= 1
+            staging = self._staging[self._turn]
+            assert staging.uploaded is not None
+            staging.uploaded.synchronize()  # its last upload is done: it may be written again
+            self.host, self.host_np, self.host_tables, self.host_tables_np = staging.buffers()
         o, h, bs = self.offsets, self.host_np, self.block_size
         tok, pos, slot = h[o["tokens"] :], h[o["positions"] :], h[o["slots"] :]
         logits, starts, lengths = h[o["logits"] :], h[o["starts"] :], h[o["lengths"] :]
-        t = 0
+        into, source = h[o["into"] :], h[o["from"] :]
+        t = copied = 0
         for i, work in enumerate(step):
             seq, start, n = work.seq, work.start, work.count
             table = seq.blocks
             if n == 1:
-                tok[t] = seq.token_at(start)
+                if start < seq.known:
+                    tok[t] = seq.token_at(start)
+                else:  # drawn by the step before, still on the device
+                    into[copied], source[copied] = t, seq.pending_row
+                    copied += 1
                 pos[t] = start
                 slot[t] = table[start // bs] * bs + start % bs
             else:
+                assert start + n <= seq.known, "only a decode step's one token can be pending"
                 tok[t : t + n] = seq.token_slice(start, start + n)
                 pos[t : t + n] = np.arange(start, start + n)
                 slot[t : t + n] = slots_of(table, start, start + n, bs)
@@ -106,7 +124,7 @@ class ModelRunner:
         starts[real : seqs + 1] = t
         lengths[real:seqs] = 0
         logits[real:seqs] = 0
-        return t
+        return copied
 
     def _batch(self, tokens: int, seqs: int, max_query_len: int) -> StepBatch:
         o, m = self.offsets, self.meta
@@ -122,21 +140,30 @@ class ModelRunner:
             block_size=self.block_size,
         )
 
-    def _upload(self, seqs: int) -> None:
-        if self.meta is self.host:
-            return
-        self.meta.copy_(self.host, non_blocking=True)
-        self.tables[:seqs].copy_(self.host_tables[:seqs], non_blocking=True)
+    def _upload(self, seqs: int, copied: int = 0, drawn: torch.Tensor | None = None) -> None:
+        """The staged inputs to the device, then the ``copied`` pending tokens from ``drawn`` (the tokens of the
+        step before) into their places."""
+        if self.meta is not self.host:
+            self.meta.copy_(self.host, non_blocking=True)
+            self.tables[:seqs].copy_(self.host_tables[:seqs], non_blocking=True)
+            uploaded = self._staging[self._turn].uploaded
+            assert uploaded is not None
+            uploaded.record()
+        if copied:
+            assert drawn is not None, "tokens pending, but no step drew them"
+            o, m = self.offsets, self.meta
+            into, source = m[o["into"] : o["into"] + copied], m[o["from"] : o["from"] + copied]
+            m[o["tokens"] : o["positions"]].index_copy_(0, into, drawn.index_select(0, source))
 
     # -- running ----------------------------------------------------------------------------
 
     @torch.inference_mode()
     def run(self, step: list[Scheduled], every_token: frozenset[int] = frozenset(),
-            launched: Callable[[torch.Tensor], None] = lambda logits: None) -> StepOutput:  # fmt: skip
-        """Logits of each scheduled sequence's last token this step (meaningful where ``samples``), and of every
-        token of the sequences at the indexes ``every_token`` (prompt logprobs: such a step runs eagerly).
-        ``launched`` is called once the device has the step's work, before waiting for it, with the logits the
-        work will have made (it may queue work on them: the wait covers it)."""
+            drawn: torch.Tensor | None = None) -> StepOutput:  # fmt: skip
+        """Launch the step; nothing waits for it. Logits of each scheduled sequence's last token this step
+        (meaningful where ``samples``), and of every token of the sequences at the indexes ``every_token`` (prompt
+        logprobs: such a step runs eagerly). ``drawn``: the tokens of the step before, by row, where the pending
+        tokens of this step's sequences are (``Sequence.pending_row``)."""
         seqs = len(step)
         decode = all(w.count == 1 for w in step)
         tokens = sum(w.count for w in step)
@@ -146,21 +173,19 @@ class ModelRunner:
             else:
                 key = ("mixed", _bucket(self.mixed_sizes, tokens))
             n_tokens, n_seqs = (key[1], key[1]) if decode else (key[1], self.max_seqs)
-            self._stage(step, n_tokens, n_seqs)
-            self._upload(n_seqs)
-            graph, logits = self.graphs[key]  # capture_all() made every one
-            self.clock.start()
+            copied = self._stage(step, n_tokens, n_seqs)
+            self._upload(n_seqs, copied, drawn)
+            graph, logits, argmax = self.graphs[key]  # capture_all() made every one
+            timing = StepTiming(self.device)
             graph.replay()
-            self.clock.stop()
-            launched(logits[:seqs])
-            torch.cuda.current_stream().synchronize()
-            return StepOutput(logits[:seqs], self.argmax_host[:seqs].tolist(), device_seconds=self.clock.seconds())
-        self._stage(step, tokens, seqs)
-        self._upload(seqs)
+            timing.stop()
+            return StepOutput(logits[:seqs], argmax[:seqs], timing)
+        copied = self._stage(step, tokens, seqs)
+        self._upload(seqs, copied, drawn)
         batch = self._batch(tokens, seqs, max(w.count for w in step))
         if self.device.type == "cpu":
             self._host_metadata(batch, step)
-        self.clock.start()
+        timing = StepTiming(self.device)
         hidden = self.model.forward(batch, self.kv)
         logits = self.model.logits(hidden[batch.logits_indices])
         every: dict[int, torch.Tensor] = {}
@@ -170,10 +195,8 @@ class ModelRunner:
                 if i in every_token:
                     every[i] = self.model.logits(hidden[begin : begin + w.count]).float()
         argmax = logits.argmax(dim=-1)
-        self.clock.stop()
-        launched(logits)
-        argmax_ids = argmax.tolist()
-        return StepOutput(logits, argmax_ids, every, device_seconds=self.clock.seconds())
+        timing.stop()
+        return StepOutput(logits, argmax, timing, every)
 
     @torch.inference_mode()
     def hidden_states(self, step: list[Scheduled]) -> torch.Tensor:
@@ -239,12 +262,10 @@ class ModelRunner:
 
     def _capture(self, key: tuple[str, int], warm_up: bool) -> None:
         batch = self._dummy_inputs(key)
-        seqs = batch.seq_lens.shape[0]
 
-        def run() -> torch.Tensor:
+        def run() -> tuple[torch.Tensor, torch.Tensor]:
             logits = self._forward(batch)
-            self.argmax_host[:seqs].copy_(logits.argmax(dim=-1), non_blocking=True)
-            return logits
+            return logits, logits.argmax(dim=-1)
 
         parts, t = self.capture_parts, time.perf_counter()
         side = _side_stream(self.device)
@@ -257,26 +278,22 @@ class ModelRunner:
         t = time.perf_counter()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=side):
-            out = run()
+            logits, argmax = run()
         parts["capture"] = parts.get("capture", 0.0) + time.perf_counter() - t
-        self.graphs[key] = (graph, out)
+        self.graphs[key] = (graph, logits, argmax)
 
 
-class DeviceClock:
+class StepTiming:
     """The device's time on one step: CUDA events around its work on the current stream (read once the step is
-    waited for), or on the CPU, where the work is done when the call returns, the host's clock."""
+    done), or on the CPU, where the work is done when the call returns, the host's clock. Started when made."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         if self.cuda:
             self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        self._began = self._ended = 0.0
-
-    def start(self) -> None:
-        if self.cuda:
             self._events[0].record()
-        else:
-            self._began = time.perf_counter()
+        self._began = time.perf_counter()
+        self._ended = self._began
 
     def stop(self) -> None:
         if self.cuda:
@@ -285,10 +302,22 @@ class DeviceClock:
             self._ended = time.perf_counter()
 
     def seconds(self) -> float:
-        """After the step was waited for."""
+        """Once the step is done."""
         if self.cuda:
             return self._events[0].elapsed_time(self._events[1]) / 1e3
         return self._ended - self._began
+
+
+class _Staging:
+    """A host buffer of a step's inputs and block tables (pinned on CUDA), and the event of its last upload."""
+
+    def __init__(self, size: int, seqs: int, width: int, pin: bool) -> None:
+        self.host = torch.zeros(size, dtype=torch.long, pin_memory=pin)
+        self.tables = torch.zeros(seqs, width, dtype=torch.int32, pin_memory=pin)
+        self.uploaded = torch.cuda.Event() if pin else None
+
+    def buffers(self) -> tuple[torch.Tensor, np.ndarray, torch.Tensor, np.ndarray]:
+        return self.host, self.host.numpy(), self.tables, self.tables.numpy()
 
 
 @functools.cache

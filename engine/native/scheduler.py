@@ -17,6 +17,7 @@ prefill the shared part once.
 
 from __future__ import annotations
 
+import sys
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,9 +48,28 @@ class Sequence:
     grammar: GrammarState | None = None  # where the answer is in its grammar (structured outputs)
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # collected by position while it is prefilled
     hashes: list[bytes] = field(default_factory=list)  # of its full blocks so far, each chained to the one before
+    remembered: int = 0  # leading blocks the prefix cache was told about
+    limit: int = sys.maxsize  # the length at which it ends (prompt + max_tokens, or the engine's max_model_len)
+    # Tokens drawn on the device and not yet read (a step's tokens are read once the next step is launched), and
+    # the row of the latest among the tokens its step drew: the next step's input, copied on the device.
+    pending: int = 0
+    pending_row: int = -1
+    finished: bool = False
 
     @property
     def length(self) -> int:
+        """Its tokens, the pending ones included."""
+        return len(self.prompt) + len(self.output) + self.pending
+
+    @property
+    def waits(self) -> bool:
+        """Running, it has nothing to compute until its tokens on the device are read: its prompt is in the cache
+        and only scored (nothing is drawn), or its last token is being drawn (no step would draw one after it)."""
+        return self.computed >= self.length or (self.pending > 0 and self.length >= self.limit)
+
+    @property
+    def known(self) -> int:
+        """Its tokens the host has read."""
         return len(self.prompt) + len(self.output)
 
     def token_at(self, i: int) -> int:
@@ -107,6 +127,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:  # victims leave from the end of the list
             seq = self.running[i]
+            if seq.waits:
+                i += 1
+                continue
             count = min(seq.length - seq.computed, budget)
             while not self.allocator.grow(seq.blocks, seq.computed + count):
                 victim = self.running[-1]
@@ -130,10 +153,11 @@ class Scheduler:
             if cached:
                 self.allocator.share(seq.blocks, cached)
                 seq.computed = len(cached) * self.allocator.block_size
+                seq.remembered = len(cached)
             count = min(seq.length - seq.computed, budget)
             if not self.allocator.grow(seq.blocks, seq.computed + count):
                 self.allocator.release(seq.blocks)
-                seq.computed = 0
+                seq.computed = seq.remembered = 0
                 break
             if cached is not None:
                 self.allocator.queried_tokens += seq.length
@@ -147,16 +171,22 @@ class Scheduler:
         return step
 
     def computed(self, step: list[Scheduled]) -> None:
-        """The step ran: its tokens are in the cache, and the blocks it filled are cached prefixes."""
-        size = self.allocator.block_size
+        """The step is on the device: its tokens are (in stream order) in the cache, and the blocks it filled are
+        cached prefixes, once their tokens are known (``remember``)."""
         for work in step:
-            seq = work.seq
-            seq.computed = work.start + work.count
-            first, full = work.start // size, seq.computed // size
-            if full > first and self.allocator.prefix_caching:  # a decode step fills one block in block_size
-                hashes = seq.block_hashes(full, size)
-                for i in range(first, full):
-                    self.allocator.remember(seq.blocks[i], hashes[i])
+            work.seq.computed = work.start + work.count
+            self.remember(work.seq)
+
+    def remember(self, seq: Sequence) -> None:
+        """Tell the prefix cache about the sequence's blocks that are computed, full, and whose tokens the host
+        knows (a block whose last token is still pending is remembered once that token is read)."""
+        size = self.allocator.block_size
+        full = min(seq.computed, seq.known) // size
+        if full > seq.remembered and self.allocator.prefix_caching and not seq.finished:
+            hashes = seq.block_hashes(full, size)  # a decode step fills one block in block_size
+            for i in range(seq.remembered, full):
+                self.allocator.remember(seq.blocks[i], hashes[i])
+        seq.remembered = max(seq.remembered, full)
 
     def _cached_prefix(self, seq: Sequence) -> list[int] | None:
         """The cached blocks a sequence about to be admitted can take (None: it takes none, it scores its prompt,
@@ -187,13 +217,15 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.allocator.release(seq.blocks)
-        seq.computed = 0
+        seq.computed = seq.remembered = 0
         seq.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence) -> None:
-        """Remove a sequence (done, cancelled or failed) and free its blocks."""
+        """Remove a sequence (done, cancelled or failed) and free its blocks (a step still on the device may write
+        into them: steps run in order on one stream, so the next sequence to take them writes after it)."""
+        seq.finished = True
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

@@ -4,10 +4,10 @@
 (bench/topk_check.py), where reading the 33 MB once takes about 10. Here the first kernel splits each row into
 CHUNK-wide parts: each program reads its part once, keeps it in registers, and leaves the part's max, its sum of
 exponentials (relative to that max) and its top k; the second merges a row's parts: the row's log-sum-exp and
-its top k among the parts' candidates, normalized and packed as ``queue_logprobs`` reads them.
+its top k among the parts' candidates, normalized and packed as ``sampler._pack`` packs them.
 
 Not used by the engine yet: its speed on the H200 is not measured (``python3 bench/topk_check.py`` and
-``tests/test_gpu.py::test_fused_top_logprobs_match_torch`` there); ``sampler.queue_logprobs`` takes it once they
+``tests/test_gpu.py::test_fused_top_logprobs_match_torch`` there); ``sampler._logprobs`` takes it once they
 say it is faster. Its logic is checked in Triton's interpreter (tests/test_kernels_interpreted.py).
 """
 
