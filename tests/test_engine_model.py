@@ -211,6 +211,13 @@ def test_steps_overlap_and_a_steps_events_reach_the_loop_once_the_step_after_nex
     assert 0 < spanned < device and spanned < span
 
 
+def test_overlapped_steps_feed_each_sequence_its_own_last_token(demo_path) -> None:
+    """tests/overlap_check.py on the CPU, with the demo (its GPU twin is in tests/test_gpu.py)."""
+    from overlap_check import check_overlapped_steps
+
+    check_overlapped_steps(_engine(demo_path("bf16")))
+
+
 def test_a_token_its_grammar_refuses_ends_the_request_with_an_error_and_the_batch_goes_on(
     demo_path, tokenizer, monkeypatch
 ) -> None:

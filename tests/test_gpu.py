@@ -91,6 +91,22 @@ def test_cuda_graph_decode_equals_eager(tmp_path: Path) -> None:
     assert a == eager.generate(prompts, params)
 
 
+def test_overlapped_cuda_steps_feed_each_sequence_its_own_last_token(tmp_path: Path) -> None:
+    """tests/overlap_check.py on CUDA, graphed and eager (qwen3-0.6b shapes, 2 layers, FP8 block)."""
+    from overlap_check import check_overlapped_steps
+
+    from engine.config import EngineConfig
+    from engine.native.llm_engine import LLMEngine
+
+    path = synth_checkpoint(tmp_path / "q", "qwen3-0.6b", "fp8-block", num_layers=2, device="cuda", progress=False)
+    for graphs in (True, False):
+        engine = LLMEngine(EngineConfig(model=path, device="cuda", kv_cache_bytes=KV_BYTES, max_num_seqs=8,
+                                        max_model_len=512, max_num_batched_tokens=256, cuda_graphs=graphs))  # fmt: skip
+        check_overlapped_steps(engine)
+        del engine
+        torch.cuda.empty_cache()
+
+
 def test_fused_silu_mul_and_strided_rope() -> None:
     from engine.native.fused_ops import rope, silu_mul
     from engine.native.model import apply_rope
