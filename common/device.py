@@ -1,4 +1,5 @@
-"""Device resolution: the one place where a device setting ("auto", "cpu", "cuda", "cuda:1") becomes a device.
+"""Device resolution: the one place where a device setting ("auto", "cpu", "cuda", "cuda:1") becomes a device; and
+small host lists put on a device without waiting for it.
 
 Every process resolves its setting with this function: the cache key and the manifest name the
 device, so the cache process and the engines must arrive at the same name for the same setting.
@@ -20,3 +21,13 @@ def resolve_device(device: str | torch.device) -> torch.device:
     if target.type == "cuda" and target.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return target
+
+
+def to_device(values: list[int] | list[float], device: torch.device) -> torch.Tensor:
+    """A small tensor of ``values`` on ``device``, copied from pinned memory on CUDA: a copy from pageable memory
+    waits for the device to finish what was queued before it (in the engine: a step's forward, beside which the
+    host means to launch the next step)."""
+    host = torch.tensor(values)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)

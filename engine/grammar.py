@@ -208,13 +208,16 @@ class TokenMasks:
         masked apart cost the engine's thread two waits for the GPU per step."""
         import torch
 
+        from common.device import to_device
+
         assert self.bitmask is not None
         n = logits.shape[0]
         if self._on_device is None:
             words = -(-logits.shape[1] // 32)
             self._on_device = torch.zeros(self._rows, words, dtype=torch.int32, device=logits.device)
         self._on_device[:n, : self.bitmask.shape[1]].copy_(self.bitmask[:n], non_blocking=True)
-        self._xgr.apply_token_bitmask_inplace(logits, self._on_device[:n], vocab_size=logits.shape[1], indices=rows)
+        indices = to_device(rows, logits.device)  # from a list, xgrammar would copy them from pageable memory
+        self._xgr.apply_token_bitmask_inplace(logits, self._on_device[:n], vocab_size=logits.shape[1], indices=indices)
 
 
 def _first_line(exc: Exception) -> str:

@@ -28,7 +28,7 @@ import torch
 
 from cache.arena import preload_transport
 from cache.processors.native import compute_dtype
-from common.device import resolve_device
+from common.device import resolve_device, to_device
 from common.events import log_event
 from engine.config import EngineConfig
 from engine.grammar import GrammarState, TokenMasks
@@ -37,7 +37,7 @@ from engine.memory_plan import plan as plan_memory
 from engine.native.kv_cache import BlockAllocator, KVCache, KVCacheSpec, kv_bytes_per_token
 from engine.native.model import ModelArgs, Transformer
 from engine.native.model_runner import ModelRunner, StepOutput
-from engine.native.sampler import Drawn, draw, prompt_logprobs, skip_draws, to_device
+from engine.native.sampler import Drawn, draw, prompt_logprobs, skip_draws
 from engine.native.scheduler import Scheduled, Scheduler, Sequence
 from engine.request_stream import EngineThread, RequestStream, TokenEvent
 from engine.sampling_params import SamplingParams

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.device import to_device
 from engine.request_stream import TokenLogprobs
 from engine.sampling_params import LOGPROB_FLOOR, SamplingParams
 
@@ -162,16 +163,6 @@ def _unpack(packed: torch.Tensor, tops: list[int]) -> list[TokenLogprobs]:
     k = (packed.shape[1] - 1) // 2
     return [TokenLogprobs(row[0], tuple((int(row[1 + k + t]), row[1 + t]) for t in range(n)))
             for row, n in zip(packed.tolist(), tops, strict=True)]  # fmt: skip
-
-
-def to_device(values: list[int] | list[float], device: torch.device) -> torch.Tensor:
-    """A small tensor of ``values`` on ``device``, copied from pinned memory on CUDA: a copy from pageable memory
-    waits for the device to finish what was queued before it (here: the step's forward, which the host means to
-    launch the next step beside)."""
-    host = torch.tensor(values)
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def skip_draws(generator: torch.Generator, steps: int, vocab: int, device: torch.device) -> None:
