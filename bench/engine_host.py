@@ -9,13 +9,13 @@ do.
     python bench/engine_host.py [--streams 64] [--step-ms 6] [--seconds 20] [--logprobs N]
                                 [--profile engine|loop] [--out FILE]
 
-Reported: output tokens/s; CPU microseconds per generated token of the engine thread, the HTTP loop (the main
-thread) and the rest of the process (from /proc, per thread); the stand-in GPU's idle share between back-to-back
-steps (``gpu_idle``: the time it had no step to run, from one step's end to the next one's launch, over the steps'
-wall time; ``step_wall_ms``), and the engine's own figure for it from its ``engine_stats`` lines
-(``engine_device_idle``); and the cores the clients used (on a machine of two cores they compete with the engine:
-read tokens/s there with that in mind). ``--profile``: that thread's functions under cProfile (its overhead inflates
-every figure: read them as shares).
+Reported: output tokens/s and each request's time to its first chunk (``ttft_ms``); CPU microseconds per generated
+token of the engine thread, the HTTP loop (the main thread) and the rest of the process (from /proc, per thread);
+the stand-in GPU's idle share between back-to-back steps (``gpu_idle``: the time it had no step to run, from one
+step's end to the next one's launch, over the steps' wall time; ``step_wall_ms``), and the engine's own figure for
+it from its ``engine_stats`` lines (``engine_device_idle``); and the cores the clients used (on a machine of two
+cores they compete with the engine: read tokens/s there with that in mind). ``--profile``: that thread's functions
+under cProfile (its overhead inflates every figure: read them as shares).
 """
 
 from __future__ import annotations
@@ -160,8 +160,10 @@ def thread_cpu(pid: int) -> dict[str, float]:
     return out
 
 
-async def load(socket_path: str, streams: int, seconds: float, max_tokens: int, extra: dict[str, Any]) -> int:
-    """Streaming completions from ``streams`` clients for ``seconds``: the tokens they got."""
+async def load(socket_path: str, streams: int, seconds: float, max_tokens: int, extra: dict[str, Any],
+               ttfts: list[float] | None = None) -> int:  # fmt: skip
+    """Streaming completions from ``streams`` clients for ``seconds``: the tokens they got (and into ``ttfts``, each
+    request's seconds to its first chunk)."""
     import httpx
 
     from engine.internal_stream import RESUMABLE_HEADER
@@ -176,11 +178,14 @@ async def load(socket_path: str, streams: int, seconds: float, max_tokens: int, 
         transport = httpx.AsyncHTTPTransport(uds=socket_path)
         async with httpx.AsyncClient(transport=transport, base_url="http://engine", timeout=120) as http:
             while time.monotonic() < deadline:
+                sent, first = time.perf_counter(), None
                 async with http.stream("POST", "/v1/completions", json=body,
                                        headers={RESUMABLE_HEADER: "1"}) as response:  # fmt: skip
                     assert response.status_code == 200, await response.aread()
                     async for _ in response.aiter_raw():
-                        pass
+                        first = first or time.perf_counter()
+                if ttfts is not None and first is not None:
+                    ttfts.append(first - sent)
                 tokens += max_tokens  # ignore_eos: every answer has max_tokens tokens
 
     await asyncio.gather(*(client() for _ in range(streams)))
@@ -226,7 +231,8 @@ def main() -> None:
         before, t, client = thread_cpu(proc.pid), time.perf_counter(), time.process_time()
         gpu_before = json.loads(Path(socket_path + GAPS_FILE).read_text())
         log_offset = (tmp / "worker.log").stat().st_size
-        tokens = asyncio.run(load(socket_path, args.streams, args.seconds, args.max_tokens, extra))
+        ttfts: list[float] = []
+        tokens = asyncio.run(load(socket_path, args.streams, args.seconds, args.max_tokens, extra, ttfts))
         wall, after, client = time.perf_counter() - t, thread_cpu(proc.pid), time.process_time() - client
         gpu_after = json.loads(Path(socket_path + GAPS_FILE).read_text())
         stats_lines = [line for line in (tmp / "worker.log").read_text()[log_offset:].splitlines()
@@ -239,6 +245,8 @@ def main() -> None:
     result = {"streams": args.streams, "logprobs": args.logprobs, "step_ms": args.step_ms, "seconds": round(wall, 1),
               "tokens": tokens,
               "tok_s": round(tokens / wall), "ideal_tok_s": round(args.streams / args.step_ms * 1e3),
+              "ttft_ms": {q: round(1e3 * sorted(ttfts)[int(f * (len(ttfts) - 1))], 1)
+                          for q, f in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))},
               "cpu_us_per_token": per_token, "gpu_idle": round(idle / (idle + busy), 3),
               "step_wall_ms": round((idle + busy) / steps * 1e3, 2),
               "engine_device_idle": [float(m) for line in stats_lines for m in DEVICE_IDLE.findall(line)],
