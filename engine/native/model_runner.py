@@ -302,8 +302,10 @@ class StepTiming:
             self._ended = time.perf_counter()
 
     def seconds(self) -> float:
-        """Once the step is done."""
+        """The step's time, once it is done (waited for here: a step that draws no token, a prompt's partial chunk,
+        was not waited for by anything else)."""
         if self.cuda:
+            self._events[1].synchronize()
             return self._events[0].elapsed_time(self._events[1]) / 1e3
         return self._ended - self._began
 
