@@ -248,7 +248,9 @@ def test_a_stopped_supervisor_stalls_no_request_and_kills_no_engine(suite: Suite
     assert _engine_pids(status) == engines, (engines, status["engines"])
     assert len(suite.restarts("crash")) == crashes, suite.restarts("crash")[crashes:]
     stopped = suite.load.during(injected, resumed)
-    served = [o for o in suite.load.within(injected, resumed) if o.ok]
+    # Answered while it was stopped (begun before or after it stopped: on a loaded two-core machine a 16-token
+    # answer can take half the stop, so some clients had none that both began and ended inside it).
+    served = [o for o in stopped if o.ok and injected <= o.end <= resumed]
     assert served, f"nothing was served while the supervisor was stopped: {summary(stopped)}"
     assert not [o for o in stopped if not o.ok], summary(stopped)
     held = [o for o in stopped if o.start <= injected and o.end >= resumed]  # in flight through the whole stop
