@@ -110,3 +110,59 @@ def test_the_processes_of_a_run_dir_are_found_by_their_titles(run_dir: Path, tmp
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+def test_an_engine_whose_health_goes_unanswered_is_adopted_while_its_heartbeat_is_fresh(run_dir: Path) -> None:
+    """A new supervisor keeps an engine that is alive by liveness's rule (a fresh heartbeat) though its /health did
+    not answer in time (a busy machine), and drains and stops one whose heartbeat has been silent too."""
+    from app.supervisor.adopt import adopt_engines
+    from app.supervisor.engines import Engine, EngineState
+    from common.heartbeat import ENGINE_THREAD, EVENT_LOOP, Heartbeat
+
+    class Unanswering:
+        def __init__(self) -> None:
+            self.retired: list[int] = []
+
+        async def health(self, engine: Engine, timeout: float) -> None:
+            return None
+
+        async def retire(self, engine: Engine, drain_timeout: float) -> None:
+            self.retired.append(engine.id)
+
+    class Adopting:
+        def __init__(self) -> None:
+            self.run_dir, self.kept = run_dir, list[tuple[int, EngineState]]()
+
+        def adopt(self, kept: list[tuple[Engine, EngineState]]) -> None:
+            self.kept = [(engine.id, state) for engine, state in kept]
+
+    code = "import time; time.sleep(60)"
+    procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(2)]
+    try:
+        config = EngineConfig(model=run_dir, max_num_seqs=4)
+        records = []
+        for id, (proc, state) in enumerate(zip(procs, ("active", "standby"), strict=True), start=1):
+            beat = Heartbeat.create(run_dir / f"engine-{id}.beat")
+            if state == "active":  # the standby's heartbeat was never stamped: silent for ever
+                beat.beat(ENGINE_THREAD)
+                beat.beat(EVENT_LOOP)
+            beat.close()
+            name = run_dir / f"engine-{id}"
+            record = EngineRecord(id=id, state=state, process=ProcessRecord.of(proc.pid),
+                                  socket=name.with_suffix(".sock"), log_path=name.with_suffix(".log"),
+                                  heartbeat_path=name.with_suffix(".beat"), config=config, path="fork")  # fmt: skip
+            records.append(record)
+        earlier = GatewayState(supervisor=0, engines=records)
+        launcher, reconciler = Unanswering(), Adopting()
+
+        async def adopt() -> None:
+            tasks = await adopt_engines(earlier, launcher, reconciler, drain_timeout=1, health_timeout=4)  # type: ignore[arg-type]
+            await asyncio.gather(*tasks)
+
+        asyncio.run(adopt())
+        assert reconciler.kept == [(1, EngineState.ACTIVE)]
+        assert launcher.retired == [2]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()

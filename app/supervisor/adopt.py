@@ -1,11 +1,15 @@
 """Taking over the engines an earlier supervisor left running (it died, or handed over for an upgrade).
 
 The run dir's state (app/supervisor/state.py) names them. An active engine and standbys that still run (same
-pid, same start time) and answer /health are adopted as they are: no request of theirs is disturbed, no engine
-is started anew. Any other engine that still runs (one starting, ready or draining when the supervisor died,
-or one started and not yet recorded, found by its title) is of no use now: it is drained and stopped. With no
-active engine left, the supervisor's start is an ordinary restart, which promotes a standby of the wanted config
-if one was adopted.
+pid, same start time) and are alive are adopted as they are: no request of theirs is disturbed, no engine is
+started anew. Alive is what liveness (app/supervisor/liveness.py) calls it, a heartbeat younger than
+``health_timeout``, or an answer to /health (asked for what the supervisor shows of the engine). An engine whose
+HTTP loop is slow to answer on a loaded machine is not dropped for that alone: a clean-clone CI run on two busy
+cores had an upgrade's new supervisor replace its active engine, most likely so.
+
+Any other engine that still runs (one starting, ready or draining when the supervisor died, or one started and
+not yet recorded, found by its title) is of no use now: it is drained and stopped. With no active engine left,
+the supervisor's start is an ordinary restart, which promotes a standby of the wanted config if one was adopted.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from app.supervisor.reconciler import Reconciler
 from app.supervisor.state import GatewayState
 from app.supervisor.sweep import stop_group
 from common.events import log_event
+from common.heartbeat import Heartbeat
 from common.processes import AdoptedProcess, gateway_processes
 
 log = logging.getLogger("warmgate.supervisor.adopt")
@@ -28,13 +33,14 @@ KEPT = (EngineState.ACTIVE, EngineState.STANDBY)
 
 
 async def adopt_engines(earlier: GatewayState | None, launcher: WorkerLauncher, reconciler: Reconciler,
-                        drain_timeout: float) -> list[asyncio.Task[Any]]:  # fmt: skip
+                        drain_timeout: float, health_timeout: float) -> list[asyncio.Task[Any]]:  # fmt: skip
     """Adopt the earlier supervisor's active engine and standbys into ``reconciler`` (before its loop starts); the
     tasks that stop the rest."""
     if earlier is None:
         return []
     kept: list[tuple[Engine, EngineState]] = []
     unwanted: list[Engine] = []
+    candidates: list[tuple[Engine, EngineState]] = []
     for record in earlier.engines:
         try:
             process = AdoptedProcess(record.process.pid, record.process.started)
@@ -45,9 +51,14 @@ async def adopt_engines(earlier: GatewayState | None, launcher: WorkerLauncher, 
         engine = Engine(record.id, record.socket, record.log_path, record.heartbeat_path, record.config,
                         process=process, path=record.path)  # fmt: skip
         state = EngineState(record.state)
-        wanted = state in KEPT and not (state is EngineState.ACTIVE and any(s is state for _, s in kept))
-        health = await launcher.health(engine, HEALTH_TIMEOUT_S) if wanted else None
-        if health is not None and health.status == "ok":
+        if state in KEPT and not (state is EngineState.ACTIVE and any(s is state for _, s in candidates)):
+            candidates.append((engine, state))
+        else:
+            unwanted.append(engine)
+    answers = await asyncio.gather(*(launcher.health(engine, HEALTH_TIMEOUT_S) for engine, _ in candidates))
+    for (engine, state), health in zip(candidates, answers, strict=True):
+        alive = health.status == "ok" if health is not None else _beating(engine, health_timeout)
+        if alive:
             kept.append((engine, state))
         else:
             unwanted.append(engine)
@@ -64,3 +75,15 @@ async def adopt_engines(earlier: GatewayState | None, launcher: WorkerLauncher, 
                p.words[0] not in names]  # fmt: skip
     tasks.append(asyncio.create_task(asyncio.to_thread(stop_group, orphans, drain_timeout + 5)))
     return tasks
+
+
+def _beating(engine: Engine, health_timeout: float) -> bool:
+    """Whether the engine's heartbeat is younger than ``health_timeout`` (liveness's rule)."""
+    try:
+        heartbeat = Heartbeat(engine.heartbeat_path)
+    except (OSError, ValueError):
+        return False
+    try:
+        return heartbeat.silent_for() <= health_timeout
+    finally:
+        heartbeat.close()

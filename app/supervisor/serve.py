@@ -177,7 +177,7 @@ async def _serve(settings: Settings, config_path: Path | None, overrides: dict[s
         launcher = WorkerLauncher(forker)
         reconciler = Reconciler(run_dir, r, launcher, metrics, on_routing, generation, on_change)
         supervisor = Supervisor(settings, config_path, overrides, model, cache, reconciler, metrics, token)
-        tasks.extend(await adopt_engines(earlier, launcher, reconciler, r.drain_timeout))
+        tasks.extend(await adopt_engines(earlier, launcher, reconciler, r.drain_timeout, r.health_timeout))
         adopted.extend(sorted(reconciler.engines))
         if earlier is not None:
             supervisor.engine_overrides = earlier.engine_overrides

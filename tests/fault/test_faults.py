@@ -154,8 +154,12 @@ def _every_client_served(s: Suite, seconds: float = 60) -> None:
     deadline = since + seconds
     while (served := s.load.served_since(since)) != clients:
         s.load.check()
-        assert time.monotonic() < deadline, (f"clients {sorted(clients - served)} got no answer within {seconds:.0f} "
-                                             f"s; waiting (client: seconds): {s.load.in_flight()}")  # fmt: skip
+        if time.monotonic() >= deadline:
+            ended = [o for o in list(s.load.outcomes) if o.end >= since]
+            events = [line for line in s.gateway.log_path.read_text(errors="replace").splitlines() if "event=" in line]
+            raise AssertionError(f"clients {sorted(clients - served)} got no answer within {seconds:.0f} s; waiting "
+                                 f"(client: seconds): {s.load.in_flight()}; ended since: {summary(ended)}; the "
+                                 "gateway's last events:\n" + "\n".join(events[-40:]))  # fmt: skip
         time.sleep(0.1)
 
 
@@ -445,6 +449,7 @@ def test_an_upgrade_replaces_the_gateways_processes_under_load(suite: Suite) -> 
     _ready_for_fault(suite)
     status = _status(suite)
     before = _running(status)
+    log_from = suite.gateway.log_path.stat().st_size
     injected = time.monotonic()
     cmd = [sys.executable, "-m", "app.cli", "upgrade", "--run-dir", str(suite.gateway.run_dir)]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -455,7 +460,8 @@ def test_an_upgrade_replaces_the_gateways_processes_under_load(suite: Suite) -> 
     assert after["supervisor"]["pid"] != status["supervisor"]["pid"]
     assert set(_running(after)["relays"]).isdisjoint(before["relays"]), (before, after["relays"])
     assert not any(pid_alive(pid) for pid in before["relays"]), "an old relay is still running"
-    assert _running(after)["engines"] == before["engines"] and _running(after)["cache"] == before["cache"]
+    assert _running(after)["engines"] == before["engines"] and _running(after)["cache"] == before["cache"], \
+        (before, _running(after), _log_since(suite.gateway.log_path, log_from)[-4000:])  # fmt: skip
     suite.record("`warmgate upgrade` (new serve code, supervisor, relays and fork server; engines and cache kept)",
                  injected, recovered, lost="nothing: the old relays drained while the new ones accepted",
                  upgrade=done.stdout.strip()[:160])  # fmt: skip
