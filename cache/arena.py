@@ -23,6 +23,8 @@ from typing import Any, Protocol
 
 import torch
 
+from common import cuda_vmm
+
 ALIGN = 256  # bytes between tensors: enough for every dtype and for vectorised GPU loads
 
 MEMFD = "memfd"
@@ -193,69 +195,29 @@ class MappedMemfd:
 def preload_transport(device: torch.device) -> None:
     """Import the CUDA driver bindings now (engine start-up) rather than inside the first attach."""
     if device.type == "cuda":
-        _driver()
-
-
-def _driver() -> Any:
-    try:
-        from cuda.bindings import driver
-    except ImportError as exc:  # pragma: no cover - depends on the install
-        raise RuntimeError("CUDA arenas need NVIDIA's cuda-bindings package (pip install cuda-bindings)") from exc
-    return driver
-
-
-def _check(result: Any) -> Any:
-    """cuda-bindings returns (error, *values): raise on error, return the value(s)."""
-    err, *values = result if isinstance(result, tuple) else (result,)
-    if int(err) != 0:
-        raise RuntimeError(f"CUDA driver call failed: {err}")
-    return values[0] if len(values) == 1 else values
-
-
-def _alloc_prop(cu: Any, device: torch.device) -> Any:
-    prop = cu.CUmemAllocationProp()
-    prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-    prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    prop.location.id = device.index or 0
-    prop.requestedHandleTypes = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-    return prop
+        cuda_vmm.driver()
 
 
 def _map(cu: Any, handle: Any, size: int, device: torch.device, writable: bool) -> int:
-    ptr = _check(cu.cuMemAddressReserve(size, 0, 0, 0))
-    _check(cu.cuMemMap(ptr, size, 0, handle, 0))
-    access = cu.CUmemAccessDesc()
-    access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    access.location.id = device.index or 0
-    flags = cu.CUmemAccess_flags
-    access.flags = flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE if writable else flags.CU_MEM_ACCESS_FLAGS_PROT_READ
-    _check(cu.cuMemSetAccess(ptr, size, [access], 1))
+    ptr = cuda_vmm.check(cu.cuMemAddressReserve(size, 0, 0, 0))
+    cuda_vmm.check(cu.cuMemMap(ptr, size, 0, handle, 0))
+    cuda_vmm.set_access(cu, ptr, size, device, writable)
     return int(ptr)
-
-
-class _CudaArrayInterface:
-    """Lets torch wrap a raw device pointer; the read-only flag must be False for torch to accept it
-    (the protection is the driver mapping, not this flag)."""
-
-    def __init__(self, ptr: int, size: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (ptr, False), "version": 3}
 
 
 class CudaVmmArena:
     transport = CUDA_VMM
 
     def __init__(self, size: int, device: torch.device) -> None:
-        cu = _driver()
+        cu = cuda_vmm.driver()
         torch.zeros(1, device=device)  # the primary context must exist before driver calls
-        prop = _alloc_prop(cu, device)
-        granularity = _check(
-            cu.cuMemGetAllocationGranularity(prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)
-        )
-        self.size = -(-size // int(granularity)) * int(granularity)
+        prop = cuda_vmm.allocation_prop(cu, device, exportable=True)
+        granularity = cuda_vmm.granularity(cu, prop)
+        self.size = -(-size // granularity) * granularity
         self.device = device
-        self._handle = _check(cu.cuMemCreate(self.size, prop, 0))
+        self._handle = cuda_vmm.check(cu.cuMemCreate(self.size, prop, 0))
         self._ptr = _map(cu, self._handle, self.size, device, writable=True)
-        self._buf = torch.as_tensor(_CudaArrayInterface(self._ptr, self.size), device=device)
+        self._buf = cuda_vmm.wrap(self._ptr, self.size, device)
 
     def fill(self, entries: list[TensorEntry], tensors: dict[str, torch.Tensor]) -> None:
         copy_into(self._buf, entries, tensors)
@@ -268,21 +230,21 @@ class CudaVmmArena:
         return self._buf
 
     def export_fd(self) -> int:
-        cu = _driver()
+        cu = cuda_vmm.driver()
         kind = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-        return int(_check(cu.cuMemExportToShareableHandle(self._handle, kind, 0)))
+        return int(cuda_vmm.check(cu.cuMemExportToShareableHandle(self._handle, kind, 0)))
 
 
 class ImportedVmm:
     transport = CUDA_VMM
 
     def __init__(self, fd: int, size: int, device: torch.device) -> None:
-        cu = _driver()
+        cu = cuda_vmm.driver()
         kind = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
         self.size = size
-        self._handle = _check(cu.cuMemImportFromShareableHandle(fd, kind))
+        self._handle = cuda_vmm.check(cu.cuMemImportFromShareableHandle(fd, kind))
         self._ptr = _map(cu, self._handle, size, device, writable=False)
-        self._buf = torch.as_tensor(_CudaArrayInterface(self._ptr, size), device=device)
+        self._buf = cuda_vmm.wrap(self._ptr, size, device)
 
     def buffer(self) -> torch.Tensor:
         return self._buf
