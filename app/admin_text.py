@@ -110,7 +110,8 @@ def _memory_line(status: dict[str, Any]) -> str:
     if device:
         line += (f"; {device['gpu_memory_fraction']} of the device's {_bytes(device['device_bytes'])}: weights "
                  f"{_bytes(device['weights_bytes'])}{'' if device['shared_weights'] else ' each'}, "
-                 f"{device['kv_share']} engines of {_bytes(device['engine_reserve_bytes'])} + their KV")  # fmt: skip
+                 f"{device.get('engines', device['kv_share'])} engines of {_bytes(device['engine_reserve_bytes'])}, "
+                 f"{device['kv_share']} KV caches")  # fmt: skip
     return line
 
 

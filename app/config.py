@@ -146,13 +146,22 @@ class Settings(BaseSettings):
         """
         engine = EngineSettings.model_validate({**self.engine.model_dump(), **(overrides or {})})
         return EngineConfig(**engine.model_dump(), model=model, served_model_name=self.served_model_name,
-                            cache_socket=cache_socket, kv_share=self.kv_share)  # fmt: skip
+                            cache_socket=cache_socket, kv_share=self.kv_share, engines=self.engines_on_device,
+                            reserve_kv=True)  # fmt: skip
+
+    @property
+    def engines_on_device(self) -> int:
+        """Engines on the device at once: the active one, the standbys, and with overlap restarts the one still
+        draining (engine/memory_plan.py counts a CUDA context and working memory for each)."""
+        return 1 + self.restart.standby + (self.restart.strategy == "overlap")
 
     @property
     def kv_share(self) -> int:
-        """Engines that hold a KV cache on the device at once: the active one, the standbys, and with overlap
-        restarts the one still draining (engine/memory_plan.py divides the device's memory by it)."""
-        return 1 + self.restart.standby + (self.restart.strategy == "overlap")
+        """Engines that hold a KV cache on the device at once (engine/memory_plan.py divides what is left for KV
+        caches by it): the active one and with overlap restarts the one still draining. A native engine standing
+        by holds none until it is promoted (engine/native/kv_memory.py); one of the vLLM backend holds its own."""
+        standbys = self.restart.standby if self.engine.backend == "vllm" else 0
+        return 1 + standbys + (self.restart.strategy == "overlap")
 
 
 def load_settings(path: Path | None, **overrides: Any) -> Settings:

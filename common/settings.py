@@ -52,8 +52,9 @@ class EngineSettings(BaseModel):
         Field(
             gt=0,
             le=1,
-            description="of the GPU's memory, what the weights and every engine's KV cache and working memory may "
-            "use (the active engine, the standbys, one draining); the KV cache is sized from it (CUDA only)",
+            description="of the GPU's memory, what the weights, every engine's working memory (the active one, the "
+            "standbys, one draining) and the KV caches of the active and the draining one may use (a standby "
+            "commits its KV cache when promoted); the KV cache is sized from it (CUDA only)",
         ),
     ] = 0.9
     kv_cache_bytes: Annotated[

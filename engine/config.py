@@ -18,6 +18,11 @@ class EngineConfig(EngineSettings):
     served_model_name: str | None = None  # default: the checkpoint directory's name
     cache_socket: Path | None = None  # none: no cache (ipc-or-disk reads the checkpoint)
     kv_share: int = Field(1, ge=1)  # engines holding a KV cache on the device at once (engine/memory_plan.py)
+    engines: int = Field(1, ge=1)  # engines on the device at once, standbys too (engine/memory_plan.py)
+    # The KV cache is only reserved at start and committed by POST /activate (engine/native/kv_memory.py): set by
+    # the gateway, whose supervisor activates every engine before any request is routed to it. (A request to an
+    # engine not activated would run on the placeholder: nobody else sets it.)
+    reserve_kv: bool = False
 
     @model_validator(mode="after")
     def _cache_socket_for_ipc(self) -> EngineConfig:

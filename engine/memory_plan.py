@@ -2,11 +2,17 @@
 
 On CUDA, ``engine.gpu_memory_fraction`` of the device's memory is the budget of everything the gateway puts
 there: the weights (once, in the cache process, when the engines attach them; once per engine when each
-reads its own), and for each engine that holds a KV cache at the same moment (the active one, the standbys,
-one still draining after an overlap restart: ``EngineConfig.kv_share``, set by the gateway) its KV cache
-and what it needs besides (CUDA context, activations, graph pools: ``engine_reserve``). What is left,
-divided by the engines, is one engine's KV cache; ``kv_cache_bytes`` caps it. vLLM sizes its KV cache the
-same way from ``gpu_memory_utilization``; it has no standbys to share the device with.
+reads its own), for every engine on the device (the active one, the standbys, one still draining after an
+overlap restart: ``EngineConfig.engines``, set by the gateway) what it needs besides its KV cache (CUDA context,
+activations, graph pools: ``engine_reserve``), and the KV caches of the engines that hold one at the same moment
+(``EngineConfig.kv_share``): the active one and the draining one. A standby holds none: its KV cache is reserved
+addresses until it is promoted (engine/native/kv_memory.py). What is left, divided by ``kv_share``, is one
+engine's KV cache; ``kv_cache_bytes`` caps it. vLLM sizes its KV cache the same way from
+``gpu_memory_utilization``; it has no standbys to share the device with.
+
+An engine that allocates its KV cache at start (not reserved) also takes no more than is free then, less its
+working memory; a reserved one commits its cache when it is promoted, once the engine it replaces has given
+its memory back.
 
 On the CPU nothing is planned from the machine's memory: the KV cache holds ``max_num_seqs`` sequences of
 ``max_model_len`` tokens, or what ``kv_cache_bytes`` holds.
@@ -59,6 +65,8 @@ class DeviceMemory:
     shared_weights: bool  # one copy for all engines (attached from the cache); else each engine holds its own
     working: int  # one engine's activations and graph pools (working_bytes)
     kv_share: int  # engines holding a KV cache on the device at once
+    engines: int  # engines on the device at once (standbys too)
+    reserved: bool = False  # this engine's KV cache is committed when it is promoted, not allocated now
     context: int = CONTEXT_BYTES  # one engine's CUDA context
 
     @property
@@ -70,12 +78,12 @@ class DeviceMemory:
         """One engine's KV cache: its share of the plan, or what is free if something else took memory the plan
         counted on (another program, or engines outside this gateway). ValueError, saying what takes the memory,
         when nothing is left for it."""
-        weights = self.weights * (1 if self.shared_weights else self.kv_share)
-        left = int(self.total * self.fraction) - weights - self.kv_share * self.engine_reserve
+        weights = self.weights * (1 if self.shared_weights else self.engines)
+        left = int(self.total * self.fraction) - weights - self.engines * self.engine_reserve
         if left <= 0:
             raise ValueError(
                 f"no device memory left for the KV cache: gpu_memory_fraction={self.fraction} of {_gb(self.total)} "
-                f"holds the weights ({_gb(weights)}) and {self.kv_share} engine(s) of {_gb(self.engine_reserve)} "
+                f"holds the weights ({_gb(weights)}) and {self.engines} engine(s) of {_gb(self.engine_reserve)} "
                 "besides their KV caches (the active one, the standbys, one draining); raise gpu_memory_fraction "
                 "or lower restart.standby"
             )
@@ -83,12 +91,14 @@ class DeviceMemory:
         if free <= 0:
             raise ValueError(f"no device memory left for the KV cache: {_gb(self.free)} of {_gb(self.total)} free "
                              f"and this engine needs {_gb(self.working)} besides its KV cache")  # fmt: skip
-        return min(left // self.kv_share, free)
+        share = left // self.kv_share
+        return share if self.reserved else min(share, free)
 
     def describe(self) -> dict[str, Any]:
         return {"device_bytes": self.total, "free_bytes": self.free, "gpu_memory_fraction": self.fraction,
                 "weights_bytes": self.weights, "shared_weights": self.shared_weights,
-                "engine_reserve_bytes": self.engine_reserve, "kv_share": self.kv_share}  # fmt: skip
+                "engine_reserve_bytes": self.engine_reserve, "kv_share": self.kv_share, "engines": self.engines,
+                "reserved": self.reserved}  # fmt: skip
 
 
 @dataclass(frozen=True)

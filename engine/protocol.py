@@ -655,6 +655,14 @@ class DrainRequest(OpenAIModel):
     timeout: float | None = Field(None, ge=0)  # seconds; none waits until every in-flight request is done
 
 
+class ActivateRequest(OpenAIModel):
+    timeout: float = Field(default=30.0, ge=0)  # seconds the KV cache's commit may wait for device memory
+
+
+class ActivateReport(OpenAIModel):
+    seconds: float  # the commit of the KV cache's memory (0: nothing to commit)
+
+
 class DrainReport(OpenAIModel):
     drained: bool
     in_flight_at_start: int

@@ -15,6 +15,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from fastapi import FastAPI, Request
@@ -27,6 +28,8 @@ from engine.chunks import ChunkWriter
 from engine.grammar import Grammar, GrammarError, Grammars
 from engine.internal_stream import RESUMABLE_HEADER
 from engine.protocol import (
+    ActivateReport,
+    ActivateRequest,
     ChatCompletionRequest,
     ChoiceResume,
     CompletionRequest,
@@ -71,6 +74,8 @@ class ServingEngine(Protocol):
                output_ids: list[int] | None = None) -> RequestStream: ...  # fmt: skip
 
     def start(self, heartbeat: Heartbeat | None = None) -> None: ...
+
+    def activate(self, timeout: float) -> Future[float]: ...  # commit what is only reserved; seconds it took
 
     def stop(self) -> None: ...
 
@@ -496,6 +501,17 @@ def create_app(engine: ServingEngine, tokenizer: ChatTokenizer) -> FastAPI:
             startup_phases=engine.startup_phases,
         )
         return JSONResponse(body.model_dump(mode="json"), status_code=200 if status == "ok" else 503)
+
+    @app.post("/activate")
+    async def activate(request: ActivateRequest | None = None) -> ActivateReport:
+        """The supervisor, before the engine takes traffic: commit its KV cache (engine/native/kv_memory.py)."""
+        timeout = (request or ActivateRequest()).timeout
+        try:
+            seconds = await asyncio.wrap_future(engine.activate(timeout))
+        except RuntimeError as exc:
+            raise ApiError(503, f"the engine cannot serve: {exc}", "service_unavailable", None, "no_memory") from None
+        log.info("event=activated seconds=%.3f", seconds)
+        return ActivateReport(seconds=seconds)
 
     @app.post("/drain")
     async def drain(request: DrainRequest | None = None) -> DrainReport:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -209,6 +210,31 @@ def test_steps_overlap_and_a_steps_events_reach_the_loop_once_the_step_after_nex
     # Six steps, each but the last launched on before it was read: five spans, each holding its step's device time
     # and more (on the CPU the forward runs on the thread that launches it).
     assert 0 < spanned < device and spanned < span
+
+
+def test_an_activation_asked_while_the_engine_serves_is_answered_between_steps(demo_path, prompt_ids) -> None:
+    """The supervisor's activation (commit a reserved KV cache: engine/native/kv_memory.py; on the CPU there is
+    nothing to commit) runs on the engine thread once no step is on the device: the requests in flight are
+    served whole, and so are those after it."""
+    engine = _engine(demo_path("bf16"), reserve_kv=True)
+    assert engine.kv.memory.committed  # the CPU's memory is committed lazily by the kernel, reserved or not
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+    async def serve() -> tuple[list[list[int]], float, list[int]]:
+        streams = [engine.submit(ids, params) for ids in prompt_ids[:3]]
+        engine.start()
+        activated = asyncio.wrap_future(engine.activate(5.0))
+        served = [[event.token_id async for event in stream if event.token_id is not None] for stream in streams]
+        seconds = await asyncio.wait_for(activated, 30)
+        after = engine.submit(prompt_ids[0], params)
+        return served, seconds, [event.token_id async for event in after if event.token_id is not None]
+
+    try:
+        served, seconds, after = asyncio.run(serve())
+    finally:
+        engine.stop()
+    expected = _engine(demo_path("bf16")).generate(prompt_ids[:3], params)
+    assert served == expected and after == expected[0] and seconds == 0.0
 
 
 def test_overlapped_steps_feed_each_sequence_its_own_last_token(demo_path) -> None:

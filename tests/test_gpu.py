@@ -107,6 +107,35 @@ def test_overlapped_cuda_steps_feed_each_sequence_its_own_last_token(tmp_path: P
         torch.cuda.empty_cache()
 
 
+def test_a_reserved_kv_cache_holds_no_memory_until_committed_and_its_graphs_replay_after(tmp_path: Path) -> None:
+    """A standby's KV cache (engine/native/kv_memory.py): reserved addresses with a placeholder under them while
+    the engine captures its graphs and warms up; committed, the engine's greedy answers are an ordinary engine's."""
+    from engine.config import EngineConfig
+    from engine.native.kv_memory import PLACEHOLDER_BYTES
+    from engine.native.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+
+    path = synth_checkpoint(tmp_path / "q", "qwen3-0.6b", "fp8-block", num_layers=2, device="cuda", progress=False)
+    settings = {"model": path, "device": "cuda", "kv_cache_bytes": KV_BYTES, "max_num_seqs": 8, "max_model_len": 512}
+    prompts = [[(7 * i + j) % 1000 + 10 for j in range(n)] for i, n in enumerate((1, 17, 100, 300))]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    ordinary = LLMEngine(EngineConfig(**settings))
+    expected = ordinary.generate(prompts, params)
+    del ordinary
+    torch.cuda.empty_cache()
+    free_before = torch.cuda.mem_get_info()[0]
+    engine = LLMEngine(EngineConfig(**settings, reserve_kv=True))
+    memory = engine.kv.memory
+    assert not memory.committed and memory.nbytes > KV_BYTES // 2
+    held = free_before - torch.cuda.mem_get_info()[0]  # weights, graphs, activations: not the KV cache
+    assert held < memory.nbytes // 2, (held, memory.nbytes)
+    seconds = memory.commit(10.0)
+    engine.scheduler.allocator.forget_cached()
+    assert memory.committed and seconds > 0
+    assert free_before - torch.cuda.mem_get_info()[0] >= held + memory.nbytes - PLACEHOLDER_BYTES
+    assert engine.generate(prompts, params) == expected
+
+
 def test_fused_silu_mul_and_strided_rope() -> None:
     from engine.native.fused_ops import rope, silu_mul
     from engine.native.model import apply_rope

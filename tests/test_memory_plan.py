@@ -1,5 +1,7 @@
 """The memory plan's arithmetic (engine/memory_plan.py): one engine's KV cache from the device's memory, shared by
-the weights, the active engine, the standbys and one draining engine; the defaults it picks; its refusals."""
+the weights, the engines on the device (active, standbys, one draining) and the KV caches of those that hold one
+(active and draining: a standby's is reserved addresses until it is promoted); the defaults it picks; its
+refusals."""
 
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ KV_PER_TOKEN = 131_072  # llama3-8b in bf16: 32 layers x 2 x 8 kv heads x 128 x 
 
 def device(**changes: object) -> DeviceMemory:
     values: dict[str, object] = {"total": 140 * GB, "free": 120 * GB, "fraction": 0.9, "weights": 9 * GB,
-                                 "shared_weights": True, "context": GB, "working": GB, "kv_share": 3}  # fmt: skip
+                                 "shared_weights": True, "context": GB, "working": GB, "kv_share": 3,
+                                 "engines": 3}  # fmt: skip
     return DeviceMemory(**{**values, **changes})  # type: ignore[arg-type]
 
 
@@ -33,12 +36,25 @@ def test_the_kv_budget_is_what_the_weights_and_the_engines_leave_divided_among_t
     assert device().kv_budget() == 37 * GB
     # Alone on the device it takes 126 - 9 - 2 = 115 GB; with only 100 GB free (another program holds the rest)
     # what is free, less the 1 GB it still needs to work in.
-    assert device(kv_share=1).kv_budget() == 115 * GB
-    assert device(kv_share=1, free=100 * GB).kv_budget() == 99 * GB
+    assert device(kv_share=1, engines=1).kv_budget() == 115 * GB
+    assert device(kv_share=1, engines=1, free=100 * GB).kv_budget() == 99 * GB
     # Each engine holding its own weights (read from disk) pays them once per engine.
     assert device(shared_weights=False).kv_budget() == (126 - 27 - 6) * GB // 3
-    # A standby more (kv_share 4) leaves every engine less.
-    assert device(kv_share=4).kv_budget() < device().kv_budget()
+    # A standby more leaves every engine less: its context and working memory, and a KV cache if it holds one.
+    assert device(engines=4).kv_budget() < device().kv_budget()
+    assert device(kv_share=4, engines=4).kv_budget() < device(engines=4).kv_budget()
+
+
+def test_standbys_that_hold_no_kv_cache_leave_it_to_the_active_and_the_draining_engine() -> None:
+    # Two standbys with reserved KV caches, overlap: 4 engines x 2 GB; 126 - 9 - 8 = 109 GB for 2 KV caches.
+    reserved = device(kv_share=2, engines=4, reserved=True)
+    assert reserved.kv_budget() == 109 * GB // 2
+    # A reserved cache is committed at promotion, when the engine it replaces has given its memory back: what is
+    # free while it starts (the others' caches held) does not cap it; what it needs to work in must be free now.
+    assert device(kv_share=2, engines=4, reserved=True, free=10 * GB).kv_budget() == 109 * GB // 2
+    assert device(kv_share=2, engines=4, free=10 * GB).kv_budget() == 9 * GB
+    with pytest.raises(ValueError, match="free"):
+        device(kv_share=2, engines=4, reserved=True, free=GB // 2).kv_budget()
 
 
 def test_nothing_left_for_the_kv_cache_is_refused_naming_the_setting() -> None:
@@ -79,13 +95,19 @@ def test_an_engines_reserve_grows_with_its_step() -> None:
     assert working_bytes(shape, 2048, 256) > activation_bytes(shape, 2048, 256)
 
 
-@pytest.mark.parametrize(("standby", "strategy", "share"), [(0, "replace", 1), (0, "overlap", 2), (1, "overlap", 3),
-                                                            (2, "overlap", 4), (2, "replace", 3)])  # fmt: skip
-def test_the_engines_sharing_the_device_are_the_active_one_the_standbys_and_one_draining(
-        standby: int, strategy: str, share: int) -> None:  # fmt: skip
-    settings = Settings.model_validate({"restart": {"standby": standby, "strategy": strategy}})
-    assert settings.kv_share == share
-    assert settings.engine_config(settings.run_dir, settings.run_dir / "cache.sock").kv_share == share
+@pytest.mark.parametrize(("backend", "standby", "strategy", "share", "engines"),
+                         [("native", 0, "replace", 1, 1), ("native", 0, "overlap", 2, 2),
+                          ("native", 1, "overlap", 2, 3), ("native", 2, "overlap", 2, 4),
+                          ("native", 2, "replace", 1, 3), ("vllm", 2, "overlap", 4, 4),
+                          ("vllm", 1, "replace", 2, 2)])  # fmt: skip
+def test_the_engines_on_the_device_and_the_kv_caches_they_hold(backend: str, standby: int, strategy: str, share: int,
+                                                               engines: int) -> None:  # fmt: skip
+    """Active, standbys and one draining engine (overlap) are on the device; native standbys hold no KV cache."""
+    settings = Settings.model_validate({"engine": {"backend": backend},
+                                       "restart": {"standby": standby, "strategy": strategy}})  # fmt: skip
+    assert (settings.kv_share, settings.engines_on_device) == (share, engines)
+    config = settings.engine_config(settings.run_dir, settings.run_dir / "cache.sock")
+    assert (config.kv_share, config.engines, config.reserve_kv) == (share, engines, True)
 
 
 def test_the_status_shows_the_active_engines_plan() -> None:
@@ -94,3 +116,4 @@ def test_the_status_shows_the_active_engines_plan() -> None:
     text = status_text({"active": 3, "engines": [{"id": 3, "state": "active", "memory": memory, "settings": {}}]})
     line = next(line for line in text.splitlines() if line.startswith("memory"))
     assert "max_num_seqs=256 max_model_len=8192" in line and "274000 tokens" in line and "3 engines" in line, line
+    assert "3 KV caches" in line, line

@@ -65,6 +65,7 @@ class FakeLauncher:
         self.log: list[tuple[str, int]] = []
         self.fail_starts: set[int] = set()  # engine ids whose start fails
         self.refuse_probe: set[int] = set()
+        self.refuse_activation: set[int] = set()  # engine ids whose KV cache cannot be committed
         self.hold: dict[int, asyncio.Event] = {}  # engine id -> start waits for this
 
     async def start(self, engine: Engine, report: RestartReport, timeout: float) -> None:
@@ -83,6 +84,11 @@ class FakeLauncher:
         self.log.append(("probe", engine.id))
         if engine.id in self.refuse_probe:
             raise EngineStartError("probe answered 500")
+
+    async def activate(self, engine: Engine, timeout: float) -> None:
+        self.log.append(("activate", engine.id))
+        if engine.id in self.refuse_activation:
+            raise EngineStartError("activation answered 503: the KV cache needs 50.0 GB of device memory")
 
     async def retire(self, engine: Engine, drain_timeout: float) -> None:
         self.log.append(("retire", engine.id))
@@ -353,3 +359,32 @@ async def test_an_adopted_active_engine_without_a_standby_gets_one_with_no_other
         assert standby.id == 8 and h.active is active and ("start", 8) in h.launcher.log
     finally:
         await h.reconciler.close()
+
+
+async def test_every_engine_commits_its_kv_cache_before_it_takes_traffic_and_one_that_cannot_is_not_used(
+    harness: Harness,
+) -> None:
+    """Activation (the engine commits its reserved KV cache) comes after a standby's probe and before the relays
+    get the table that routes to it; a standby that cannot commit is replaced by a new engine, and a new engine
+    that cannot fails the restart while the old one serves on (overlap)."""
+    await harness.reconciler.restart(harness.config, "overlap", "start")
+    log = harness.launcher.log
+    assert log.index(("activate", 1)) < log.index(("route", 1)), log  # the first engine too
+    standby = await harness.standby_ready()
+    assert ("activate", standby.id) not in log  # a standby holds no KV cache until it is promoted
+    log.clear()
+    report = await harness.reconciler.restart(None, "overlap", "admin")
+    assert report.ok and report.path == "standby" and "activate" in report.phases, report
+    assert log.index(("probe", standby.id)) < log.index(("activate", standby.id)) < log.index(("route", standby.id))
+    refused = await harness.standby_ready()
+    harness.launcher.refuse_activation.add(refused.id)
+    report = await harness.reconciler.restart(None, "overlap", "admin")
+    assert report.ok and report.path == "fork" and refused.state is EngineState.FAILED, report
+    assert harness.active is not None and harness.active.id not in (standby.id, refused.id)
+    serving = harness.active
+    await harness.standby_ready()
+    other = harness.config.model_copy(update={"max_num_seqs": 8})  # no standby: a new engine, which cannot commit
+    harness.launcher.refuse_activation.add(max(harness.reconciler.engines) + 1)
+    report = await harness.reconciler.restart(other, "overlap", "admin")
+    assert not report.ok and "50.0 GB" in (report.error or ""), report
+    assert harness.active is serving  # overlap: the old engine never stopped serving

@@ -151,6 +151,23 @@ def test_cached_blocks_are_evicted_oldest_first_when_free_ones_run_out() -> None
     assert again.blocks[:2] == allocator.cached_prefix(b.hashes)
 
 
+def test_forgotten_prefixes_are_computed_again_and_their_blocks_are_free_for_anyone() -> None:
+    """What a standby cached while its KV cache was a placeholder is forgotten when the real memory comes
+    (engine/native/kv_memory.py): a prompt that shared it computes it again."""
+    scheduler = _caching(6)
+    allocator = scheduler.allocator
+    a = _seq("a", 9)
+    scheduler.add(a)
+    _advance(scheduler.schedule(), scheduler)
+    scheduler.finish(a)
+    assert len(allocator.cached_prefix(a.hashes)) == 2 and allocator.free == 6
+    allocator.forget_cached()
+    assert allocator.cached_prefix(a.hashes) == [] and allocator.free == 6 and not allocator.cached_free
+    again = _seq("a again", 9)
+    scheduler.add(again)
+    assert _work(scheduler.schedule()) == [("a again", 0, 9)]
+
+
 def test_a_preempted_sequence_leaves_its_shared_blocks_to_the_other_and_takes_them_back() -> None:
     scheduler = _caching(7, max_seqs=4)
     allocator = scheduler.allocator

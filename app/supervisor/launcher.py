@@ -25,7 +25,7 @@ from app.supervisor.logs import last_error
 from app.supervisor.terminate import terminate
 from common.events import log_event
 from common.heartbeat import Heartbeat
-from engine.protocol import DrainRequest, HealthResponse
+from engine.protocol import ActivateRequest, DrainRequest, HealthResponse
 
 log = logging.getLogger("warmgate.supervisor.launcher")
 STARTUP_PHASES = ("weight_load", "model_init", "kv_alloc", "cuda_graphs", "warmup")
@@ -41,6 +41,10 @@ class Launcher(Protocol):
 
     async def probe(self, engine: Engine, timeout: float) -> None:
         """A real 1-token generation; EngineStartError (or TimeoutError) if it fails."""
+
+    async def activate(self, engine: Engine, timeout: float) -> None:
+        """Have the engine commit its KV cache's memory (engine/native/kv_memory.py), waiting up to ``timeout`` for
+        the device to have it; EngineStartError if it cannot."""
 
     async def retire(self, engine: Engine, drain_timeout: float) -> None:
         """Drain the engine (its requests finish, it takes no new ones), then stop it."""
@@ -122,6 +126,15 @@ class WorkerLauncher:
         response = await asyncio.wait_for(self._http(engine).post("/v1/completions", json=PROBE), timeout)
         if response.status_code != 200:
             raise EngineStartError(f"probe answered {response.status_code}: {response.text[:200]}")
+
+    async def activate(self, engine: Engine, timeout: float) -> None:
+        try:
+            body = ActivateRequest(timeout=timeout).model_dump()
+            response = await asyncio.wait_for(self._http(engine).post("/activate", json=body), timeout + 5)
+        except (httpx.HTTPError, OSError, TimeoutError) as exc:
+            raise EngineStartError(f"activation failed: {type(exc).__name__}: {exc}") from None
+        if response.status_code != 200:
+            raise EngineStartError(f"activation answered {response.status_code}: {response.text[:300]}")
 
     async def retire(self, engine: Engine, drain_timeout: float) -> None:
         with contextlib.suppress(httpx.HTTPError, TimeoutError):

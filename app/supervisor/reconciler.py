@@ -13,6 +13,8 @@ A restart request goes through these phases (``Phase``):
     pick      a standby running the requested config? probe it (a real 1-token generation)
     clear     ``replace``: drain and stop the old engine first, while requests wait in the relays
     obtain    no standby: start an engine (forked from the fork server, else spawned)
+    activate  the new engine commits its KV cache (reserved until now: engine/native/kv_memory.py), in the memory
+              the engine it replaces gave back (a crashed or replaced one) or left for it (``overlap``)
     switch    the new engine becomes active; the relays get the new table; ``overlap``: the old engine is
               drained once every relay has stopped sending it requests
     finish    the report is complete when the old engine has stopped
@@ -52,6 +54,7 @@ from engine.config import EngineConfig
 
 log = logging.getLogger("warmgate.supervisor.engines")
 PROBE_TIMEOUT_S = 30.0  # a standby's promotion probe
+ACTIVATE_WAIT_S = 15.0  # beyond drain_timeout: a retired engine's stop (10 s grace) and its context's teardown
 KEEP_LOGS = 20  # engine logs kept in the run dir (the newest): one per engine ever started would grow forever
 
 
@@ -100,6 +103,12 @@ class Probed:
 
 
 @dataclass(frozen=True)
+class Activated:
+    engine: Engine
+    error: str | None  # None: its KV cache is committed
+
+
+@dataclass(frozen=True)
 class Exited:
     engine: Engine
     code: int
@@ -129,7 +138,7 @@ class Wake:
     """A timer ran out or the settings changed: look again."""
 
 
-Event = RestartRequest | Started | StartFailed | Probed | Exited | Hung | Suspected | Stopped | Wake
+Event = RestartRequest | Started | StartFailed | Probed | Activated | Exited | Hung | Suspected | Stopped | Wake
 
 
 class Phase(Enum):
@@ -139,6 +148,7 @@ class Phase(Enum):
     DRAINING_OLD = "draining old"
     OBTAIN = "obtain"
     STARTING = "starting"
+    ACTIVATING = "activating"
     SWITCH = "switch"
     FINISH = "finish"
 
@@ -319,6 +329,19 @@ class Reconciler:
                               error=event.error)  # fmt: skip
                     self._fail_engine(event.engine)
                     r.candidate, r.report.path, r.phase = None, None, Phase.PICK
+        elif isinstance(event, Activated):
+            if r is not None and r.candidate is event.engine and r.phase is Phase.ACTIVATING:
+                r.report.phases["activate"] = r.lap()
+                if event.error is None:
+                    r.phase = Phase.SWITCH
+                else:
+                    log_warning(log, "activation_failed", engine=event.engine.id, error=event.error)
+                    self._fail_engine(event.engine)
+                    r.candidate = None
+                    if r.report.path == "standby":  # another standby, or a new engine
+                        r.report.path, r.phase = None, Phase.PICK
+                    else:
+                        self._fail(r, event.error)
         elif isinstance(event, Exited):
             self._exited(event.engine, event.code)
         elif isinstance(event, Hung):
@@ -379,7 +402,8 @@ class Reconciler:
                     r.candidate = self._launch(r.request.config, r.report)
                     r.phase = Phase.STARTING
                     return
-                r.phase = Phase.SWITCH
+                self._activate(r)
+                return
             elif r.phase is Phase.SWITCH:
                 self._switch(r)
                 return
@@ -446,7 +470,7 @@ class Reconciler:
         self._spawn(self._watch(engine))
         r = self._restart
         if r is not None and r.candidate is engine:
-            r.phase = Phase.SWITCH
+            self._activate(r)
             return
         # a standby build: kept if it is still wanted (the config may have changed while it started)
         self._building = None
@@ -532,6 +556,25 @@ class Reconciler:
             self.post(Probed(engine, f"{type(exc).__name__}: {exc}"))
         else:
             self.post(Probed(engine, None))
+
+    def _activate(self, r: Restart) -> None:
+        engine = r.candidate
+        assert engine is not None
+        r.lap()
+        r.phase = Phase.ACTIVATING
+        # The memory it commits may still be held by the engine it replaces: a draining one gives it back when it
+        # exits (within its drain and stop), a crashed one once the driver has torn its context down.
+        timeout = self.limits.drain_timeout + ACTIVATE_WAIT_S
+
+        async def activate() -> None:
+            try:
+                await self.launcher.activate(engine, timeout)
+            except EngineStartError as exc:
+                self.post(Activated(engine, str(exc)))
+            else:
+                self.post(Activated(engine, None))
+
+        self._spawn(activate())
 
     def _retire(self, engine: Engine) -> None:
         """Take the engine out of routing now; drain and stop it once the relays have the table without it."""

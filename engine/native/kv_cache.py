@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import hashlib
 import math
-import mmap
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from cache.checkpoint.architecture import ModelShape
+from engine.native.kv_memory import KVMemory
 
 NULL_BLOCK = 0  # reserved: padding writes land here, no sequence reads it
 
@@ -65,14 +65,19 @@ class KVCacheSpec:
 
 
 class KVCache:
-    """Keys and values of every layer: k, v [layers, slots, kv_heads, head_dim]."""
+    """Keys and values of every layer: k, v [layers, slots, kv_heads, head_dim], in one piece of memory.
 
-    def __init__(self, shape: ModelShape, spec: KVCacheSpec, dtype: torch.dtype, device: torch.device) -> None:
+    ``reserve``: on CUDA the memory is only reserved until ``memory.commit`` (engine/native/kv_memory.py)."""
+
+    def __init__(self, shape: ModelShape, spec: KVCacheSpec, dtype: torch.dtype, device: torch.device,
+                 reserve: bool = False) -> None:  # fmt: skip
         self.spec = spec
         self.block_size = spec.block_size
         dims = (shape.layers, spec.slots, shape.kv_heads, shape.head_dim)
-        self.k = _zeros(dims, dtype, device)
-        self.v = _zeros(dims, dtype, device)
+        half = math.prod(dims) * torch.finfo(dtype).bits // 8
+        self.memory = KVMemory(2 * half, device, reserve)
+        self.k = self.memory.buffer[:half].view(dtype).view(dims)
+        self.v = self.memory.buffer[half:].view(dtype).view(dims)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """k, v [T, kv_heads, head_dim]: row t goes to cache slot slots[t]."""
@@ -135,6 +140,15 @@ class BlockAllocator:
                     self.plain.append(block)
         table.clear()
 
+    def forget_cached(self) -> None:
+        """Forget every cached prefix (what the blocks held is gone: the cache's memory was replaced). Only while no
+        table holds a block."""
+        assert not any(self.refs), "blocks are in use"
+        self.plain.extend(sorted(self.cached_free, reverse=True))
+        self.cached_free.clear()
+        self.hash_of.clear()
+        self.block_of.clear()
+
     def cached_prefix(self, hashes: list[bytes]) -> list[int]:
         """The blocks that hold the longest cached prefix of ``hashes`` (a sequence's block hashes, in order)."""
         blocks = []
@@ -170,17 +184,3 @@ def slots_of(table: list[int], start: int, end: int, block_size: int) -> np.ndar
     """Cache slots of positions start..end-1 of the sequence with this block table (int64)."""
     positions = np.arange(start, end)
     return np.asarray(table, dtype=np.int64)[positions // block_size] * block_size + positions % block_size
-
-
-def _zeros(dims: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Zeros without touching them: on CPU, anonymous mmap pages are zero until first written.
-
-    torch.zeros would write every byte up front (6.7 s for the demo's 3 GB default cache here),
-    which a restart would pay every time. Unused positions must read as zeros, not garbage:
-    a masked score times a NaN value would still be NaN.
-    """
-    if device.type != "cpu":
-        return torch.zeros(dims, dtype=dtype, device=device)
-    nbytes = math.prod(dims) * torch.finfo(dtype).bits // 8
-    buffer = mmap.mmap(-1, nbytes)  # private, anonymous: zero-filled by the kernel, committed lazily
-    return torch.frombuffer(buffer, dtype=dtype).view(dims)

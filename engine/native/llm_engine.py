@@ -30,6 +30,7 @@ from cache.arena import preload_transport
 from cache.processors.native import compute_dtype
 from common.device import resolve_device, to_device
 from common.events import log_event
+from common.heartbeat import ENGINE_THREAD
 from engine.config import EngineConfig
 from engine.grammar import GrammarState, TokenMasks
 from engine.memory_plan import DeviceMemory, MemoryPlan, default_max_num_seqs, working_bytes
@@ -60,6 +61,7 @@ class LLMEngine(EngineThread[Sequence]):
         self._masker: ThreadPoolExecutor | None = None  # fills them while the next step is scheduled
         self._launched: _Launched | None = None  # the step on the device, its tokens not drawn yet
         self._drawn: _Launched | None = None  # the step before it: its tokens drawn, not read yet
+        self._activations: list[tuple[Future[float], float]] = []  # asked for (activate), with their timeouts
         with self._phase("device_init"):
             self.device = resolve_device(config.device)
             if self.device.type == "cuda":
@@ -82,7 +84,7 @@ class LLMEngine(EngineThread[Sequence]):
             self.max_num_seqs, self.max_model_len = planned.max_num_seqs, planned.max_model_len
             spec = KVCacheSpec.plan(self.args.shape, self.dtype, self.max_num_seqs, self.max_model_len,
                                     planned.kv_cache_bytes, config.block_size)  # fmt: skip
-            self.kv = KVCache(self.args.shape, spec, self.dtype, self.device)
+            self.kv = KVCache(self.args.shape, spec, self.dtype, self.device, reserve=config.reserve_kv)
         self.memory = {**planned.describe(), "kv_cache_bytes": spec.total_bytes, "kv_tokens": spec.usable_tokens}
         log_event(log, "memory_plan", **{k: v for k, v in self.memory.items() if k != "device"},
                   **(planned.device.describe() if planned.device else {}))  # fmt: skip
@@ -111,7 +113,8 @@ class LLMEngine(EngineThread[Sequence]):
             device = DeviceMemory(total=total, free=free, fraction=config.gpu_memory_fraction, weights=weights,
                                   shared_weights=loaded.source == "ipc",
                                   working=working_bytes(shape, config.max_num_batched_tokens, seqs),
-                                  kv_share=config.kv_share)  # fmt: skip
+                                  kv_share=config.kv_share, engines=config.engines,
+                                  reserved=config.reserve_kv)  # fmt: skip
         per_token = kv_bytes_per_token(shape, self.dtype)
         return plan_memory(self.args.max_position_embeddings, per_token, self.device.type, config.max_num_seqs,
                            config.max_model_len, config.kv_cache_bytes, device)  # fmt: skip
@@ -155,13 +158,16 @@ class LLMEngine(EngineThread[Sequence]):
         for i, prompt in enumerate(prompts):
             self._check(prompt, params)
             self.scheduler.add(self._sequence(f"gen-{i}", prompt, params, lambda e, out=outputs[i]: _collect(out, e)))
-        while not self._idle():
+        while self._stepping():
             self._step()
         return outputs
 
     def device_memory_bytes(self) -> int:
-        """Device memory this engine's allocator holds (KV cache, activations, graph pools); 0 on CPU."""
-        return int(torch.cuda.memory_reserved(self.device)) if self.device.type == "cuda" else 0
+        """Device memory this engine holds through torch's allocator (activations, graph pools, a KV cache allocated
+        at start) and in a committed reserved KV cache (engine/native/kv_memory.py); 0 on CPU."""
+        if self.device.type != "cuda":
+            return 0
+        return int(torch.cuda.memory_reserved(self.device)) + self.kv.memory.device_bytes
 
     @property
     def weight_origin(self) -> WeightOrigin:
@@ -198,18 +204,52 @@ class LLMEngine(EngineThread[Sequence]):
 
     # -- the scheduler thread (engine/request_stream.py's EngineThread) ---------------------
 
+    def activate(self, timeout: float) -> Future[float]:
+        """Commit the KV cache's memory (a reserved cache, engine/native/kv_memory.py; else nothing to do), on the
+        engine thread once no step is on the device; the future's result is the seconds the commit took. The
+        supervisor asks before the engine takes traffic; until then only its warm-up and the supervisor's probe ran
+        on the placeholder."""
+        done: Future[float] = Future()
+        with self._wake:
+            self._activations.append((done, timeout))
+            self._wake.notify()
+        return done
+
+    def _stepping(self) -> bool:
+        return not (self.scheduler.idle and self._launched is None and self._drawn is None)
+
     def _idle(self) -> bool:
-        return self.scheduler.idle and self._launched is None and self._drawn is None
+        return not self._stepping() and not self._activations
 
     def _steps_on(self) -> bool:
-        return not self._idle()  # and _step hands the events over, at the latest before it returns
+        return self._stepping()  # and _step hands the events over, at the latest before it returns
 
     def _work(self, pending: list[Sequence]) -> None:
+        if self._activations and not self._stepping():
+            self._activate()
         for seq in pending:
             self.scheduler.add(seq)
+        if not self._stepping():
+            return
         began = time.perf_counter()
         self._step()
         self.stats.step_done(time.perf_counter() - began)
+
+    def _activate(self) -> None:
+        with self._wake:
+            activations, self._activations = self._activations, []
+        beat = self._heartbeat.beat if self._heartbeat is not None else lambda _slot: None
+        reserved = not self.kv.memory.committed
+        try:
+            seconds = self.kv.memory.commit(max(t for _, t in activations), lambda: beat(ENGINE_THREAD))
+        except Exception as exc:
+            for done, _ in activations:
+                done.set_exception(exc)
+            return
+        if reserved:  # the prefixes cached by what ran on the placeholder are not in the cache's own memory
+            self.scheduler.allocator.forget_cached()
+        for done, _ in activations:
+            done.set_result(seconds)
 
     def _fail(self, error: str) -> None:
         self._launched = self._drawn = None  # what they drew is lost: a waiting sequence draws it again

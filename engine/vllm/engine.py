@@ -19,6 +19,7 @@ import logging
 import os
 import time
 import uuid
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -175,6 +176,12 @@ class VllmEngine(EngineThread[_Pending]):
             self._score_only.add(stream.request_id)
         self._enqueue(_Pending(stream, [*prompt_ids, *output], vllm_params))
         return stream
+
+    def activate(self, timeout: float) -> Future[float]:
+        """Nothing to commit: vLLM allocates its KV cache at start (a standby of this backend holds its own)."""
+        done: Future[float] = Future()
+        done.set_result(0.0)
+        return done
 
     def device_memory_bytes(self) -> int:
         import torch
