@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from common import cuda_vmm
-from common.events import log_event, log_warning
+from common.events import log_event
 
 log = logging.getLogger("warmgate.engine.kv_memory")
 PLACEHOLDER_BYTES = 32 << 20  # one mapping per this many bytes of a reserved cache: 1,600 for 50 GB
@@ -41,12 +41,8 @@ class KVMemory:
     def __init__(self, nbytes: int, device: torch.device, reserve: bool) -> None:
         self.nbytes = nbytes
         self._reserved: _Reserved | None = None
-        if device.type == "cuda" and reserve:
-            try:
-                self._reserved = _Reserved(nbytes, device)
-            except RuntimeError as exc:  # no VMM here (or no cuda-bindings): the cache is allocated now instead
-                log_warning(log, "kv_reserve_failed", error=exc)
-        if self._reserved is not None:
+        if device.type == "cuda" and reserve:  # CUDA VMM, as the cache's arenas (cache/arena.py) need anyway
+            self._reserved = _Reserved(nbytes, device)
             self.buffer = self._reserved.buffer
         elif device.type == "cuda":
             self.buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
