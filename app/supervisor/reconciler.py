@@ -320,28 +320,9 @@ class Reconciler:
         elif isinstance(event, StartFailed):
             self._start_failed(event.engine, event.error)
         elif isinstance(event, Probed):
-            if r is not None and r.candidate is event.engine and r.phase is Phase.PROBING:
-                r.report.phases["probe"] = r.lap()
-                if event.error is None:
-                    r.phase = Phase.CLEAR
-                else:
-                    log_warning(log, "standby_refused", engine=event.engine.id,
-                              error=event.error)  # fmt: skip
-                    self._fail_engine(event.engine)
-                    r.candidate, r.report.path, r.phase = None, None, Phase.PICK
+            self._answered(r, event.engine, event.error, Phase.PROBING, "probe", Phase.CLEAR)
         elif isinstance(event, Activated):
-            if r is not None and r.candidate is event.engine and r.phase is Phase.ACTIVATING:
-                r.report.phases["activate"] = r.lap()
-                if event.error is None:
-                    r.phase = Phase.SWITCH
-                else:
-                    log_warning(log, "activation_failed", engine=event.engine.id, error=event.error)
-                    self._fail_engine(event.engine)
-                    r.candidate = None
-                    if r.report.path == "standby":  # another standby, or a new engine
-                        r.report.path, r.phase = None, Phase.PICK
-                    else:
-                        self._fail(r, event.error)
+            self._answered(r, event.engine, event.error, Phase.ACTIVATING, "activate", Phase.SWITCH)
         elif isinstance(event, Exited):
             self._exited(event.engine, event.code)
         elif isinstance(event, Hung):
@@ -359,6 +340,24 @@ class Reconciler:
                 log_event(log, "engine_suspected", engine=event.engine, why=event.why)
         elif isinstance(event, Stopped):
             self._stopped(event.engine)
+
+    def _answered(self, r: Restart | None, engine: Engine, error: str | None, waiting: Phase, name: str,
+                  then: Phase) -> None:  # fmt: skip
+        """The candidate's probe or activation (``name``) answered: on to ``then``; or the candidate is dropped, and
+        a standby's place is taken by another standby or a new engine, while a new engine's restart fails."""
+        if r is None or r.candidate is not engine or r.phase is not waiting:
+            return  # it exited meanwhile: the restart has moved on
+        r.report.phases[name] = r.lap()
+        if error is None:
+            r.phase = then
+            return
+        log_warning(log, "candidate_refused", engine=engine.id, path=r.report.path, by=name, error=error)
+        self._fail_engine(engine)
+        r.candidate = None
+        if r.report.path == "standby":
+            r.report.path, r.phase = None, Phase.PICK
+        else:
+            self._fail(r, error)
 
     def _reconcile(self) -> None:
         if self._closing:
