@@ -43,7 +43,7 @@ RECOVERED_WHEN = {
     "kill -9 of the active engine": "the standby was promoted (crash report)",
     "kill -9 of a draining engine": "the killed engine left the engine list (the restart had switched)",
     "SIGSTOP of the active engine": "the hung engine was killed and the standby promoted",
-    "SIGSTOP of the supervisor for 15 s": "SIGCONT (the column is the stop's length; nothing needed recovering)",
+    "SIGSTOP of the supervisor for": "SIGCONT (the column is the stop's length; nothing needed recovering)",
     "kill -9 of a relay": "a new relay process served under the same index",
     "an engine that cannot start (no room for one sequence)": "the admin restart answered (failed; old engine "
                                                               "serving)",
@@ -58,6 +58,13 @@ RECOVERED_WHEN = {
     "kill -9 of a relay while no supervisor runs": "the next supervisor had started a new relay in its place",
 }
 
+
+
+def _recovered_when(fault: str) -> str:
+    """The fault's entry, or the entry that begins its name (the supervisor's stop names its length)."""
+    if fault in RECOVERED_WHEN:
+        return RECOVERED_WHEN[fault]
+    return max(((k, v) for k, v in RECOVERED_WHEN.items() if fault.startswith(k)), default=("", ""))[1]
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -78,7 +85,7 @@ def main() -> int:
     for row in rows:
         cells = [row["fault"], row["requests"], f"{row['failed']} ({row['in_flight_failed']} / {row['refused']})",
                  row["recovery_s"], _cell(row["ttft_before_s"]), _cell(row["ttft_after_s"]),
-                 RECOVERED_WHEN.get(row["fault"], ""), row["lost"]]  # fmt: skip
+                 _recovered_when(row["fault"]), row["lost"]]  # fmt: skip
         text += "| " + " | ".join(str(c) for c in cells) + " |\n"
     if run.returncode != 0:
         text += "\n**The suite failed in this run** (see its output); the rows above are what it recorded.\n"
