@@ -17,7 +17,7 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
 from common.settings import EngineSettings
@@ -94,12 +94,23 @@ class RestartSettings(_Section):
         bool, Field(description="fork engines from a process that has imported torch (else spawn each one)")
     ] = True
     standby: Annotated[
-        int, Field(ge=0, le=8, description="fully started engines kept for the next restart or crash")
-    ] = 1
+        int | None,
+        Field(
+            ge=0,
+            le=8,
+            description="fully started engines kept for the next restart or crash; none: 2 where native engines run "
+            "on CUDA (a standby holds no KV cache there until promoted), else 1",
+        ),
+    ] = None
     health_interval: Annotated[float, Field(gt=0, description="seconds between reads of each engine's heartbeat")] = 1.0
     health_timeout: Annotated[
         float, Field(gt=0, description="seconds of heartbeat silence after which an engine is killed and replaced")
     ] = 10.0
+
+    @property
+    def standbys(self) -> int:
+        """``standby`` as Settings resolved it (1 for a section made on its own with none)."""
+        return 1 if self.standby is None else self.standby
 
 
 class Settings(BaseSettings):
@@ -120,6 +131,16 @@ class Settings(BaseSettings):
     gateway: GatewaySettings = GatewaySettings()
     engine: EngineSettings = EngineSettings()
     restart: RestartSettings = RestartSettings()
+
+    @model_validator(mode="after")
+    def _standbys(self) -> Settings:
+        """``restart.standby`` unset: two where native engines run on CUDA, so that a second restart or crash in a
+        row finds one ready while the first is rebuilt (a standby there costs its context and graphs, not a KV
+        cache: engine/native/kv_memory.py); one elsewhere."""
+        if self.restart.standby is None:
+            two = self.engine.backend == "native" and _engines_on_cuda(self.engine.device)
+            self.restart = self.restart.model_copy(update={"standby": 2 if two else 1})
+        return self
 
     @field_validator("run_dir")
     @classmethod
@@ -153,15 +174,26 @@ class Settings(BaseSettings):
     def engines_on_device(self) -> int:
         """Engines on the device at once: the active one, the standbys, and with overlap restarts the one still
         draining (engine/memory_plan.py counts a CUDA context and working memory for each)."""
-        return 1 + self.restart.standby + (self.restart.strategy == "overlap")
+        return 1 + self.restart.standbys + (self.restart.strategy == "overlap")
 
     @property
     def kv_share(self) -> int:
         """Engines that hold a KV cache on the device at once (engine/memory_plan.py divides what is left for KV
         caches by it): the active one and with overlap restarts the one still draining. A native engine standing
         by holds none until it is promoted (engine/native/kv_memory.py); one of the vLLM backend holds its own."""
-        standbys = self.restart.standby if self.engine.backend == "vllm" else 0
+        standbys = self.restart.standbys if self.engine.backend == "vllm" else 0
         return 1 + standbys + (self.restart.strategy == "overlap")
+
+
+def _engines_on_cuda(device: str) -> bool:
+    """Whether engines with this ``engine.device`` run on CUDA, without importing torch (the CLI reads settings
+    too): "auto" is CUDA where the NVIDIA driver lists a GPU that CUDA_VISIBLE_DEVICES does not hide."""
+    if device != "auto":
+        return device.startswith("cuda")
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "0").strip() in ("", "-1"):
+        return False
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return gpus.is_dir() and any(gpus.iterdir())
 
 
 def load_settings(path: Path | None, **overrides: Any) -> Settings:

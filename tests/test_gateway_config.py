@@ -74,3 +74,37 @@ def test_the_gateway_and_the_workers_share_one_definition_of_engine_settings(tmp
     assert EngineConfig(model=tmp_path).weights == "ipc-or-disk"
     with pytest.raises(ValidationError, match="needs cache_socket"):
         EngineConfig(model=tmp_path, weights="ipc")
+
+
+@pytest.mark.parametrize(("engine", "standby", "expected"), [
+    ({"device": "cpu"}, None, 1),
+    ({"device": "cuda"}, None, 2),
+    ({"device": "cuda:1"}, None, 2),
+    ({"device": "cuda", "backend": "vllm"}, None, 1),  # a vLLM standby holds its own KV cache
+    ({"device": "cuda"}, 0, 0),
+    ({"device": "cpu"}, 3, 3),
+])  # fmt: skip
+def test_two_standbys_by_default_where_native_engines_run_on_cuda(
+        tmp_path: Path, engine: dict[str, str], standby: int | None, expected: int) -> None:  # fmt: skip
+    """A native standby on CUDA costs its context and graphs, not a KV cache (engine/native/kv_memory.py): two are
+    kept unless the settings say otherwise, so that a second restart or crash in a row finds one ready."""
+    config = tmp_path / "warmgate.toml"
+    lines = ["[engine]", *(f'{key} = "{value}"' for key, value in engine.items())]
+    if standby is not None:
+        lines += ["[restart]", f"standby = {standby}"]
+    config.write_text("\n".join(lines) + "\n")
+    settings = load_settings(config)
+    assert settings.restart.standby == settings.restart.standbys == expected
+    assert settings.engines_on_device == 1 + expected + 1  # and one draining (overlap)
+
+
+def test_auto_counts_as_cuda_only_where_the_driver_lists_a_visible_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from app.config import _engines_on_cuda
+
+    gpus = Path("/proc/driver/nvidia/gpus")
+    present = gpus.is_dir() and any(gpus.iterdir())
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert _engines_on_cuda("auto") is present
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert _engines_on_cuda("auto") is False
+    assert _engines_on_cuda("cpu") is False and _engines_on_cuda("cuda:0") is True

@@ -475,7 +475,7 @@ class Reconciler:
         self._building = None
         self._standby_backoff.succeeded()
         current = [e for e in self.standbys() if e.config == self.desired]
-        if self._closing or engine.config != self.desired or len(current) >= self.limits.standby:
+        if self._closing or engine.config != self.desired or len(current) >= self.limits.standbys:
             self._retire(engine)
             return
         self._set(engine, EngineState.STANDBY)
@@ -617,9 +617,9 @@ class Reconciler:
             return
         standbys = self.standbys()
         current = [e for e in standbys if e.config == self.desired]
-        for stale in [e for e in standbys if e.config != self.desired] + current[self.limits.standby :]:
+        for stale in [e for e in standbys if e.config != self.desired] + current[self.limits.standbys :]:
             self._retire(stale)
-        if self._building is not None or len(current) >= self.limits.standby:
+        if self._building is not None or len(current) >= self.limits.standbys:
             return
         wait = self._standby_backoff.remaining()
         if wait > 0:
