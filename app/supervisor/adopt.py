@@ -4,8 +4,8 @@ The run dir's state (app/supervisor/state.py) names them. An active engine and s
 pid, same start time) and are alive are adopted as they are: no request of theirs is disturbed, no engine is
 started anew. Alive is what liveness (app/supervisor/liveness.py) calls it, a heartbeat younger than
 ``health_timeout``, or an answer to /health (asked for what the supervisor shows of the engine). An engine whose
-HTTP loop is slow to answer on a loaded machine is not dropped for that alone: a clean-clone CI run on two busy
-cores had an upgrade's new supervisor replace its active engine, most likely so.
+HTTP loop is slow to answer on a loaded machine is not dropped for that alone (it was, after 5 s without an
+answer, before liveness's rule was applied here too).
 
 Any other engine that still runs (one starting, ready or draining when the supervisor died, or one started and
 not yet recorded, found by its title) is of no use now: it is drained and stopped. With no active engine left,
