@@ -9,6 +9,15 @@ by the new engine: a watcher polls /admin/status every 5 ms and, the moment the 
 the new one, sends a streamed 1-token completion; the time of its first token counts. Standby
 restarts wait for a new standby between rounds. Failed requests are counted per round. Writes
 restart_paths.json and restart_paths.md.
+
+Back to back (issue 24): ``--kill-storm N`` kills the active engine N times ``--kill-storm-interval`` s apart,
+without waiting for a standby (each kill to the replacement's first token); ``--restart-storm N`` asks for N
+admin restarts ``--restart-storm-interval`` s apart (each report's path: a standby, or the fork path).
+``--standby`` and ``--kv-cache-bytes 0`` leave the gateway's defaults (standbys by device, KV cache planned from
+the device's memory).
+
+    python3 bench/restart_paths.py --model /tmp/wg/llama3-8b-fp8-block --device cuda --clients 32 --standby -1 \
+        --kv-cache-bytes 0 --restarts 10 --kills 0 --forks 3 --kill-storm 5 --restart-storm 10 --out $OUT  # H200
 """
 
 from __future__ import annotations
@@ -119,17 +128,25 @@ def main() -> None:
     parser.add_argument("--restarts", type=int, default=10)
     parser.add_argument("--kills", type=int, default=3)
     parser.add_argument("--forks", type=int, default=3)
-    parser.add_argument("--kv-cache-bytes", type=int, default=8 * 10**9)
+    parser.add_argument("--kv-cache-bytes", type=int, default=8 * 10**9, help="0: planned from the device")
+    parser.add_argument("--standby", type=int, default=1, help="-1: the gateway's default")
+    parser.add_argument("--kill-storm", type=int, default=0)
+    parser.add_argument("--kill-storm-interval", type=float, default=1.5)
+    parser.add_argument("--restart-storm", type=int, default=0)
+    parser.add_argument("--restart-storm-interval", type=float, default=1.0)
     args = parser.parse_args()
+    standbys = args.standby if args.standby >= 0 else 2 if args.device.startswith("cuda") else 1  # the default
     if args.model is None:
         from cache.checkpoint.demo import build_demo
 
         args.model = build_demo("fp8-block", progress=False)
     root = Path(tempfile.mkdtemp(prefix="warmgate-restarts-"))
     config = root / "warmgate.toml"
-    kv = f"kv_cache_bytes = {args.kv_cache_bytes}\n" if args.device != "cpu" else "max_model_len = 512\n"
+    kv = "max_model_len = 512\n" if args.device == "cpu" else \
+        f"kv_cache_bytes = {args.kv_cache_bytes}\n" if args.kv_cache_bytes else ""  # fmt: skip
+    standby = f"standby = {args.standby}\n" if args.standby >= 0 else ""
     config.write_text(f'model = "{args.model}"\n\n[engine]\ndevice = "{args.device}"\nmax_num_seqs = 64\n{kv}\n'
-                      '[restart]\nstandby = 1\nhealth_interval = 1.0\nhealth_timeout = 20.0\n')  # fmt: skip
+                      f"[restart]\n{standby}health_interval = 1.0\nhealth_timeout = 20.0\n")  # fmt: skip
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     log = root / "serve.log"
@@ -154,7 +171,8 @@ def main() -> None:
         result["standby_memory"] = _memory(status(), args.device)
         load.start()
         wait(lambda: len(load.requests) >= args.clients, 600, "the load did not start")
-        rounds: dict[str, list[dict[str, Any]]] = {"standby": [], "kill": [], "fork": [], "spawn": [], "reload": []}
+        rounds: dict[str, list[dict[str, Any]]] = {"standby": [], "kill": [], "kill storm": [], "restart storm": [],
+                                                   "fork": [], "spawn": [], "reload": []}  # fmt: skip
 
         def restart(kind: str, body: dict[str, Any]) -> None:
             old, failed = status()["active"], len(load.failures)
@@ -187,7 +205,44 @@ def main() -> None:
                                    "failed_during": len(load.failures) - failed})  # fmt: skip
             print("kill", round(first - t, 3), crash[0]["path"], flush=True)
         kills_ended = time.time()
+        if args.kill_storm:
+            wait(lambda: len(status()["standbys"]) >= standbys, 600, "no standbys before the storm")
+        for _ in range(args.kill_storm):  # back to back: no wait for a standby
+            now = status()
+            old, failed = now["active"], len(load.failures)
+            pid = next(e["pid"] for e in now["engines"] if e["id"] == old)
+            t = time.time()
+            os.kill(pid, signal.SIGKILL)
+            first = first_token_from_new_engine(url, admin, old)
+            rounds["kill storm"].append({"to_first_token_s": first - t, "killed_at": t,
+                                         "failed_during": len(load.failures) - failed})  # fmt: skip
+            print("kill storm", round(first - t, 3), flush=True)
+            time.sleep(max(0.0, t + args.kill_storm_interval - time.time()))
+        if args.kill_storm:
+            kills_ended = time.time()
+            crashes = [r for r in status()["restarts"] if r["reason"] == "crash"][-args.kill_storm :]
+            for row, report in zip(rounds["kill storm"], crashes, strict=False):
+                row["report"] = report
         time.sleep(15)  # requests after the kills
+        if args.restart_storm:
+            wait(lambda: len(status()["standbys"]) >= standbys, 600, "no standbys before the storm")
+            failed, threads, answers = len(load.failures), [], []
+            began = time.time()
+            for i in range(args.restart_storm):
+                time.sleep(max(0.0, began + i * args.restart_storm_interval - time.time()))
+                asked = time.time()
+                thread = threading.Thread(target=lambda a=asked: answers.append(
+                    (a, time.time(), admin.post("/admin/restart", json={}).json())))  # fmt: skip
+                thread.start()
+                threads.append(thread)
+            for thread in threads:
+                thread.join()
+            for asked, answered, report in sorted(answers, key=lambda x: x[0]):
+                rounds["restart storm"].append({"to_first_token_s": answered - asked, "report": report,
+                                                "failed_during": 0})  # fmt: skip
+            if rounds["restart storm"]:
+                rounds["restart storm"][-1]["failed_during"] = len(load.failures) - failed
+            print("restart storm paths", [r["report"].get("path") for r in rounds["restart storm"]], flush=True)
         result["around_kills"] = _around(load.requests, kills_began, [r["killed_at"] for r in rounds["kill"]],
                                          kills_ended)  # fmt: skip
         for i in range(args.forks):  # another config each time: no standby matches, the fork server starts one
@@ -236,6 +291,13 @@ def main() -> None:
     reload_failed = sum(r["failed_during"] for r in rounds["reload"])
     reload_path = rounds["reload"][0]["report"].get("path") if rounds["reload"] else "-"
     lines.append(f"\nreload (max_num_seqs 64 -> 48): path {reload_path}, failed requests {reload_failed}")
+    if rounds["restart storm"]:
+        paths = [r["report"].get("path") for r in rounds["restart storm"]]
+        lines.append(f"\nrestart storm ({args.restart_storm} restarts {args.restart_storm_interval} s apart; its row's "
+                     f"figures are request to answer): paths {paths}")  # fmt: skip
+    if rounds["kill storm"]:
+        paths = [r.get("report", {}).get("path") for r in rounds["kill storm"]]
+        lines.append(f"\nkill storm ({args.kill_storm} kills {args.kill_storm_interval} s apart): paths {paths}")
     lines.append(f"\nstandby memory: {result['standby_memory']}")
     (args.out / "restart_paths.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

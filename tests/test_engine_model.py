@@ -212,29 +212,45 @@ def test_steps_overlap_and_a_steps_events_reach_the_loop_once_the_step_after_nex
     assert 0 < spanned < device and spanned < span
 
 
-def test_an_activation_asked_while_the_engine_serves_is_answered_between_steps(demo_path, prompt_ids) -> None:
-    """The supervisor's activation (commit a reserved KV cache: engine/native/kv_memory.py; on the CPU there is
-    nothing to commit) runs on the engine thread once no step is on the device: the requests in flight are
-    served whole, and so are those after it."""
-    engine = _engine(demo_path("bf16"), reserve_kv=True)
-    assert engine.kv.memory.committed  # the CPU's memory is committed lazily by the kernel, reserved or not
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+def test_an_activation_asked_while_the_engine_serves_is_answered_between_steps(demo_path, prompt_ids,
+                                                                              monkeypatch) -> None:  # fmt: skip
+    """The supervisor's activation (engine/native/kv_memory.py: commit a reserved KV cache's first stripes, the rest
+    in the background) runs on the engine thread once no step is on the device, and the blocks of the stripes
+    committed later reach the scheduler while it serves. On the CPU the stripes are bookkeeping (the kernel commits
+    memory lazily); small ones here, so that the requests need blocks of the later ones."""
+    import engine.native.kv_memory as kv_memory
 
-    async def serve() -> tuple[list[list[int]], float, list[int]]:
+    per_block = 2 * 30 * 16 * 3 * 64 * 4  # the demo: 30 layers, 3 KV heads of 64, fp32 on the CPU
+    monkeypatch.setattr(kv_memory, "STRIPE_BYTES", 4 * per_block)
+    monkeypatch.setattr(kv_memory, "FIRST_BYTES", 4 * per_block)
+    engine = _engine(demo_path("bf16"), reserve_kv=True)
+    memory, allocator = engine.kv.memory, engine.scheduler.allocator
+    assert len(memory.stripes) > 8 and not memory.committed
+    added: list[tuple[int, int]] = []
+    add = allocator.add
+    allocator.add = lambda first, end: (added.append((first, end)), add(first, end))[1]  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    long = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    prompts = [ids * 2 for ids in prompt_ids[:4]]  # 4 x (2 x 8-13 + 16) tokens: more blocks than the first stripe
+
+    async def serve() -> tuple[list[list[int]], float, list[list[int]]]:
         streams = [engine.submit(ids, params) for ids in prompt_ids[:3]]
         engine.start()
         activated = asyncio.wrap_future(engine.activate(5.0))
         served = [[event.token_id async for event in stream if event.token_id is not None] for stream in streams]
         seconds = await asyncio.wait_for(activated, 30)
-        after = engine.submit(prompt_ids[0], params)
-        return served, seconds, [event.token_id async for event in after if event.token_id is not None]
+        later = [engine.submit(ids, long) for ids in prompts]
+        return served, seconds, [[e.token_id async for e in stream if e.token_id is not None] for stream in later]
 
     try:
-        served, seconds, after = asyncio.run(serve())
+        served, seconds, later = asyncio.run(serve())
     finally:
         engine.stop()
-    expected = _engine(demo_path("bf16")).generate(prompt_ids[:3], params)
-    assert served == expected and after == expected[0] and seconds == 0.0
+    reference = _engine(demo_path("bf16"))
+    assert served == reference.generate(prompt_ids[:3], params) and seconds >= 0.0
+    assert later == reference.generate(prompts, long)
+    assert memory.committed and added == memory.stripes[1:]  # every later stripe, once, in order
+    assert allocator.free == engine.kv_blocks_total
 
 
 def test_overlapped_steps_feed_each_sequence_its_own_last_token(demo_path) -> None:

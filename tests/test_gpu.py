@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -107,33 +108,52 @@ def test_overlapped_cuda_steps_feed_each_sequence_its_own_last_token(tmp_path: P
         torch.cuda.empty_cache()
 
 
-def test_a_reserved_kv_cache_holds_no_memory_until_committed_and_its_graphs_replay_after(tmp_path: Path) -> None:
+def test_a_reserved_kv_cache_holds_no_memory_until_committed_and_its_graphs_replay_after(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """A standby's KV cache (engine/native/kv_memory.py): reserved addresses with a placeholder under them while
-    the engine captures its graphs and warms up; committed, the engine's greedy answers are an ordinary engine's."""
+    the engine captures its graphs and warms up; activated, its first stripe is committed and the others follow
+    while it serves (small stripes here, so that the requests need them), and its greedy answers are an ordinary
+    engine's."""
+    import asyncio
+
+    import engine.native.kv_memory as kv_memory
     from engine.config import EngineConfig
-    from engine.native.kv_memory import PLACEHOLDER_BYTES
     from engine.native.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
 
     path = synth_checkpoint(tmp_path / "q", "qwen3-0.6b", "fp8-block", num_layers=2, device="cuda", progress=False)
     settings = {"model": path, "device": "cuda", "kv_cache_bytes": KV_BYTES, "max_num_seqs": 8, "max_model_len": 512}
-    prompts = [[(7 * i + j) % 1000 + 10 for j in range(n)] for i, n in enumerate((1, 17, 100, 300))]
+    prompts = [[(7 * i + j) % 1000 + 10 for j in range(n)] for i, n in enumerate((1, 17, 100, 300, 250, 260))]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     ordinary = LLMEngine(EngineConfig(**settings))
     expected = ordinary.generate(prompts, params)
     del ordinary
     torch.cuda.empty_cache()
+    # 64 blocks (the fewest whose bytes fill 2 MiB mappings) of 2 layers x keys and values x 32 KiB: 8 MiB a stripe.
+    monkeypatch.setattr(kv_memory, "STRIPE_BYTES", 8 << 20)
+    monkeypatch.setattr(kv_memory, "FIRST_BYTES", 8 << 20)
     free_before = torch.cuda.mem_get_info()[0]
     engine = LLMEngine(EngineConfig(**settings, reserve_kv=True))
     memory = engine.kv.memory
-    assert not memory.committed and memory.nbytes > KV_BYTES // 2
-    held = free_before - torch.cuda.mem_get_info()[0]  # weights, graphs, activations: not the KV cache
+    assert not memory.committed and len(memory.stripes) > 100 and memory.nbytes > KV_BYTES // 2
+    held = free_before - torch.cuda.mem_get_info()[0]  # weights, graphs, activations, the placeholder
     assert held < memory.nbytes // 2, (held, memory.nbytes)
-    seconds = memory.commit(10.0)
-    engine.scheduler.allocator.forget_cached()
-    assert memory.committed and seconds > 0
-    assert free_before - torch.cuda.mem_get_info()[0] >= held + memory.nbytes - PLACEHOLDER_BYTES
-    assert engine.generate(prompts, params) == expected
+
+    async def serve() -> list[list[int]]:
+        engine.start()
+        await asyncio.wait_for(asyncio.wrap_future(engine.activate(10.0)), 60)
+        streams = [engine.submit(p, params) for p in prompts]
+        return [[e.token_id async for e in stream if e.token_id is not None] for stream in streams]
+
+    try:
+        assert asyncio.run(serve()) == expected
+        deadline = time.monotonic() + 60
+        while not memory.committed and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        engine.stop()
+    assert memory.committed and memory.device_bytes == memory.nbytes
+    assert free_before - torch.cuda.mem_get_info()[0] >= held + memory.nbytes - (32 << 20)
 
 
 def test_fused_silu_mul_and_strided_rope() -> None:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from cache.checkpoint.architecture import ModelShape
-from engine.native.kv_memory import KVMemory
+from engine.native.kv_memory import KVGeometry, KVMemory
 
 NULL_BLOCK = 0  # reserved: padding writes land here, no sequence reads it
 
@@ -50,14 +50,19 @@ class KVCacheSpec:
 
     @classmethod
     def plan(cls, shape: ModelShape, dtype: torch.dtype, max_seqs: int, max_len: int, budget: int | None,
-             block_size: int) -> KVCacheSpec:  # fmt: skip
-        """Blocks for ``max_seqs`` full-length sequences, or as many as ``budget`` bytes hold.
+             block_size: int, multiple: int = 1) -> KVCacheSpec:  # fmt: skip
+        """Blocks for ``max_seqs`` full-length sequences, or as many as ``budget`` bytes hold; in all (the null
+        block counted) a multiple of ``multiple`` (a reserved cache's mappings: engine/native/kv_memory.py), more
+        for sequences, fewer within a budget.
 
         Refused when the cache cannot hold one sequence of ``max_len`` tokens: such a request could never finish.
         """
         per_token = kv_bytes_per_token(shape, dtype)
         per_seq = math.ceil(max_len / block_size)
-        blocks = max_seqs * per_seq if budget is None else budget // (per_token * block_size) - 1
+        if budget is None:
+            blocks = -(-(max_seqs * per_seq + 1) // multiple) * multiple - 1
+        else:
+            blocks = budget // (per_token * block_size) // multiple * multiple - 1
         if blocks < per_seq:
             need = per_token * (per_seq + 1) * block_size
             raise ValueError(f"kv_cache_bytes={budget} cannot hold one sequence of {max_len} tokens ({need} bytes)")
@@ -74,8 +79,9 @@ class KVCache:
         self.spec = spec
         self.block_size = spec.block_size
         dims = (shape.layers, spec.slots, shape.kv_heads, shape.head_dim)
-        half = math.prod(dims) * torch.finfo(dtype).bits // 8
-        self.memory = KVMemory(2 * half, device, reserve)
+        block_bytes = spec.block_size * shape.kv_heads * shape.head_dim * torch.finfo(dtype).bits // 8
+        self.memory = KVMemory(KVGeometry(shape.layers, spec.blocks, block_bytes), device, reserve)
+        half = self.memory.geometry.half
         self.k = self.memory.buffer[:half].view(dtype).view(dims)
         self.v = self.memory.buffer[half:].view(dtype).view(dims)
 
@@ -139,6 +145,16 @@ class BlockAllocator:
                 else:
                     self.plain.append(block)
         table.clear()
+
+    def limit(self, blocks: int) -> None:
+        """Hand out only blocks below ``blocks`` (the rest of a reserved cache is not committed yet: ``add`` them
+        as they are). Only while no table holds a block."""
+        assert not any(self.refs), "blocks are in use"
+        self.plain = list(range(blocks - 1, NULL_BLOCK, -1))
+
+    def add(self, first: int, end: int) -> None:
+        """Blocks first..end-1 can be handed out now (after every block below them)."""
+        self.plain[:0] = range(end - 1, max(first, NULL_BLOCK + 1) - 1, -1)
 
     def forget_cached(self) -> None:
         """Forget every cached prefix (what the blocks held is gone: the cache's memory was replaced). Only while no

@@ -1,28 +1,37 @@
 """The KV cache's memory: allocated when the engine starts, or, on CUDA, reserved then and committed when the
-engine is made to serve (``commit``: the supervisor activates every engine it starts before it takes traffic).
+engine is made to serve (the supervisor activates every engine it starts before it takes traffic).
 
 A standby that held its whole KV cache cost as much device memory as the active engine (three engines with a
 12 GB KV cache each held 48.7 GB on the H200). A reserved cache is a range of virtual addresses
 (cuMemAddressReserve) with one small placeholder allocation mapped again and again along it: kernels and CUDA
 graphs see valid addresses, graphs captured against them keep them, and the engine's warm-up runs (its keys and
-values land in the placeholder and mean nothing). ``commit`` maps real memory under the same addresses in the
+values land in the placeholder and mean nothing). A commit maps real memory under the same addresses in the
 placeholder's place, zeroed: the captured graphs replay unchanged. ../shared/probes/kv_remap_probe.py measured
 the mechanism on the H200: 2 MiB held for a reserved 8 GB cache, 68 ms to map 8 GB (32 GB: 270 ms), and graphs
 captured before the remap replay correctly after it.
 
-The memory a commit needs may still be held by the engine this one replaces (a crashed one's until the driver
-has torn its context down, a draining one's until it exits): the commit waits for it, up to its timeout.
+At that rate a cache planned from the device (tens of GB) would take hundreds of milliseconds to map, on the
+path of a crash's first token. So the cache is committed in stripes of blocks (``STRIPE_BYTES`` each): the
+first ones (``FIRST_BYTES``) before the engine takes traffic, the rest in the background while it serves, each
+stripe's blocks handed to the scheduler once mapped and zeroed. A stripe of blocks is one range per layer of
+keys and of values (the layout is [layers, slots, heads, dim]), so block counts and stripe bounds are multiples
+of the blocks that fill a mapping's granularity (``block_multiple``).
 
-On the CPU the kernel commits memory lazily anyway (an anonymous mapping holds nothing until written), so a
-reserved cache and an allocated one are the same thing and a commit has nothing to do.
+The memory a commit needs may still be held by the engine this one replaces (a crashed one's until the driver
+has torn its context down, a draining one's until it exits): a commit waits for it, up to its timeout.
+
+On the CPU the kernel commits memory lazily anyway (an anonymous mapping holds nothing until written): a
+reserved cache is the same mapping, its stripes are only bookkeeping, and the same hand-over of blocks runs.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,97 +40,174 @@ from common import cuda_vmm
 from common.events import log_event
 
 log = logging.getLogger("warmgate.engine.kv_memory")
-PLACEHOLDER_BYTES = 32 << 20  # one mapping per this many bytes of a reserved cache: 1,600 for 50 GB
+STRIPE_BYTES = 1 << 30  # one commit step: about 8 ms on the H200 at the probe's rate
+FIRST_BYTES = 2 << 30  # committed before the engine takes traffic: 16k tokens of Llama-3-8B
 RETRY_S = 0.02  # between attempts of a commit waiting for memory
 
 
-class KVMemory:
-    """``nbytes`` of zeros on ``device`` as a uint8 tensor (``buffer``), held at once or only from ``commit``."""
+@dataclass(frozen=True)
+class KVGeometry:
+    """Where blocks lie: keys, then values, each [layers, blocks, one block]; ``block_bytes`` is one block of one
+    layer's keys (or values)."""
 
-    def __init__(self, nbytes: int, device: torch.device, reserve: bool) -> None:
-        self.nbytes = nbytes
-        self._reserved: _Reserved | None = None
+    layers: int
+    blocks: int  # including the null block
+    block_bytes: int
+
+    @property
+    def half(self) -> int:
+        return self.layers * self.blocks * self.block_bytes
+
+    def ranges(self, first: int, end: int) -> list[tuple[int, int]]:
+        """The (offset, size) byte ranges of blocks first..end-1: one per layer, of the keys and of the values."""
+        size, layer = (end - first) * self.block_bytes, self.blocks * self.block_bytes
+        return [(part + i * layer + first * self.block_bytes, size) for part in (0, self.half)
+                for i in range(self.layers)]  # fmt: skip
+
+    def stripes(self, stripe_bytes: int, multiple: int) -> list[tuple[int, int]]:
+        """Block ranges committed one at a time, of about ``stripe_bytes``, beginning at multiples of ``multiple``."""
+        per_block = 2 * self.layers * self.block_bytes
+        step = max(multiple, stripe_bytes // per_block // multiple * multiple)
+        return [(first, min(first + step, self.blocks)) for first in range(0, self.blocks, step)]
+
+
+def block_multiple(block_bytes: int, granularity: int) -> int:
+    """The fewest blocks whose bytes (of one layer's keys) are a whole number of ``granularity``."""
+    return granularity // math.gcd(granularity, block_bytes)
+
+
+def granularity(device: torch.device, reserve: bool) -> int:
+    """What a reserved cache's mappings are multiples of (2 MiB on the H200); 1 where nothing is mapped."""
+    if device.type != "cuda" or not reserve:
+        return 1
+    cu = cuda_vmm.driver()
+    return cuda_vmm.granularity(cu, cuda_vmm.allocation_prop(cu, device, exportable=False))
+
+
+class KVMemory:
+    """The cache's bytes on ``device`` as one uint8 tensor (``buffer``), zeros, held at once or stripe by stripe
+    from the first commit (``reserve``)."""
+
+    def __init__(self, geometry: KVGeometry, device: torch.device, reserve: bool) -> None:
+        self.geometry = geometry
+        self.nbytes = 2 * geometry.half
+        multiple = block_multiple(geometry.block_bytes, granularity(device, reserve))
+        self.stripes = geometry.stripes(STRIPE_BYTES, multiple) if reserve else [(0, geometry.blocks)]
+        self._done = 0 if reserve else len(self.stripes)  # stripes committed, in order
+        self._cuda: _Reserved | None = None
         if device.type == "cuda" and reserve:  # CUDA VMM, as the cache's arenas (cache/arena.py) need anyway
-            self._reserved = _Reserved(nbytes, device)
-            self.buffer = self._reserved.buffer
+            self._cuda = _Reserved(geometry, self.stripes, device)
+            self.buffer = self._cuda.buffer
         elif device.type == "cuda":
-            self.buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+            self.buffer = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
         else:
-            self.buffer = _lazy_zeros(nbytes)
+            self.buffer = _lazy_zeros(self.nbytes)
 
     @property
     def committed(self) -> bool:
-        """Whether the memory is the cache's own (not the placeholder of a reserved cache)."""
-        return self._reserved is None or self._reserved.committed
+        """Whether every stripe is the cache's own memory."""
+        return self._done == len(self.stripes)
+
+    @property
+    def committed_blocks(self) -> int:
+        """Blocks 0..this-1 are committed."""
+        return self.stripes[self._done - 1][1] if self._done else 0
 
     @property
     def device_bytes(self) -> int:
-        """Device memory held outside torch's allocator: a reserved cache's placeholder, then its own memory."""
-        return 0 if self._reserved is None else self._reserved.held
+        """Device memory held outside torch's allocator: a reserved cache's placeholder and committed stripes."""
+        return 0 if self._cuda is None else self._cuda.held
 
-    def commit(self, timeout: float, waiting: Callable[[], None] = lambda: None) -> float:
-        """Map the cache's memory under its addresses (a reserved cache; else nothing to do); the seconds it took.
-        Raises RuntimeError, saying how much was free, when the device has no room for it within ``timeout``
-        seconds (``waiting`` is called between attempts: the engine thread's heartbeat); the cache is then still
-        the placeholder."""
-        if self._reserved is None or self._reserved.committed:
-            return 0.0
-        return self._reserved.commit(timeout, waiting)
+    def commit_first(self, timeout: float, waiting: Callable[[], None] = lambda: None) -> float:
+        """Commit the stripes an engine starts serving with (``FIRST_BYTES``); the seconds it took."""
+        per_block = 2 * self.geometry.layers * self.geometry.block_bytes
+        return self.commit_until(max(1, FIRST_BYTES // per_block), timeout, waiting)
+
+    def commit_until(self, blocks: int, timeout: float, waiting: Callable[[], None] = lambda: None) -> float:
+        """Commit stripes until blocks 0..``blocks``-1 are (or every stripe is); the seconds it took. Raises
+        RuntimeError, saying how much was free, when the device has no room for a stripe within ``timeout``
+        seconds (``waiting`` is called between attempts: the engine thread's heartbeat)."""
+        started = time.perf_counter()
+        while not self.committed and self.committed_blocks < blocks:
+            self.commit_next(timeout, waiting)
+        return time.perf_counter() - started
+
+    def commit_next(self, timeout: float, waiting: Callable[[], None] = lambda: None) -> tuple[int, int] | None:
+        """Commit the next stripe and return its blocks (first, end); None when every stripe is committed. One
+        caller at a time: the engine thread at activation, then one background thread."""
+        if self.committed:
+            return None
+        stripe = self.stripes[self._done]
+        if self._cuda is not None:
+            self._cuda.commit(stripe, timeout, waiting)
+        self._done += 1
+        if self.committed and self._cuda is not None:
+            log_event(log, "kv_committed", bytes=self.nbytes, stripes=len(self.stripes))
+        return stripe
 
 
 class _Reserved:
-    """A CUDA VMM range with the placeholder mapped along it, until ``commit``."""
+    """A CUDA VMM range with the placeholder mapped at every stripe's ranges, until each is committed."""
 
-    def __init__(self, nbytes: int, device: torch.device) -> None:
+    def __init__(self, geometry: KVGeometry, stripes: list[tuple[int, int]], device: torch.device) -> None:
         cu = self.cu = cuda_vmm.driver()
-        self.device = device
+        self.geometry, self.device = geometry, device
         self.prop = cuda_vmm.allocation_prop(cu, device, exportable=False)
-        granularity = cuda_vmm.granularity(cu, self.prop)
-        self.size = -(-nbytes // granularity) * granularity
-        piece = min(self.size, -(-PLACEHOLDER_BYTES // granularity) * granularity)
-        self.ptr = int(cuda_vmm.check(cu.cuMemAddressReserve(self.size, 0, 0, 0)))
+        size = 2 * geometry.half
+        self.ptr = int(cuda_vmm.check(cu.cuMemAddressReserve(size, 0, 0, 0)))
+        piece = max(last - first for first, last in stripes) * geometry.block_bytes
         self.placeholder: Any = cuda_vmm.check(cu.cuMemCreate(piece, self.prop, 0))
-        for offset in range(0, self.size, piece):
-            cuda_vmm.check(cu.cuMemMap(self.ptr + offset, min(piece, self.size - offset), 0, self.placeholder, 0))
-        cuda_vmm.set_access(cu, self.ptr, self.size, device, writable=True)
-        self.buffer = cuda_vmm.wrap(self.ptr, self.size, device)[:nbytes]
-        self.buffer[:piece].zero_()  # every piece of the range reads zeros until something is written
-        self.memory: Any = None  # the cache's own allocation, once committed
-        self.held = piece  # device bytes held: the placeholder, then the cache's own
-        log_event(log, "kv_reserved", bytes=self.size, placeholder_bytes=piece)
+        for first, end in stripes:
+            for offset, length in geometry.ranges(first, end):
+                cuda_vmm.check(cu.cuMemMap(self.ptr + offset, length, 0, self.placeholder, 0))
+        cuda_vmm.set_access(cu, self.ptr, size, device, writable=True)
+        self.buffer = cuda_vmm.wrap(self.ptr, size, device)
+        self.buffer[:piece].zero_()  # the placeholder reads zeros until something is written
+        self.handles: list[Any] = []  # the stripes' allocations
+        self.piece = piece
+        self.held = piece  # device bytes held: the placeholder, then the committed stripes
+        self.stream = torch.cuda.Stream(device)  # zeroing, beside the engine's steps
+        log_event(log, "kv_reserved", bytes=size, placeholder_bytes=piece, stripes=len(stripes))
 
-    @property
-    def committed(self) -> bool:
-        return self.memory is not None
+    def commit(self, stripe: tuple[int, int], timeout: float, waiting: Callable[[], None]) -> None:
+        cu, ranges = self.cu, self.geometry.ranges(*stripe)
+        size = sum(length for _, length in ranges)
+        memory = self._create(size, timeout, waiting)
+        if not self.handles:  # the first: what ran on the placeholder (warm-up, probe) must be done
+            torch.cuda.synchronize(self.device)
+        # Nothing reads or writes these ranges now: their blocks are handed out only once committed.
+        for offset, length in ranges:
+            cuda_vmm.check(cu.cuMemUnmap(self.ptr + offset, length))
+        at = 0
+        for offset, length in ranges:
+            cuda_vmm.check(cu.cuMemMap(self.ptr + offset, length, at, memory, 0))
+            cuda_vmm.set_access(cu, self.ptr + offset, length, self.device, writable=True)
+            at += length
+        with torch.cuda.stream(self.stream):
+            for offset, length in ranges:
+                self.buffer[offset : offset + length].zero_()
+        self.stream.synchronize()
+        self.handles.append(memory)
+        self.held += size
+        if stripe[1] == self.geometry.blocks:  # the last: no placeholder mapping is left
+            cuda_vmm.check(cu.cuMemRelease(self.placeholder))
+            self.placeholder, self.held = None, self.held - self.piece
 
-    def commit(self, timeout: float, waiting: Callable[[], None]) -> float:
-        cu, started = self.cu, time.perf_counter()
-        deadline = time.monotonic() + timeout
+    def _create(self, size: int, timeout: float, waiting: Callable[[], None]) -> Any:
+        cu, deadline = self.cu, time.monotonic() + timeout
         out_of_memory = int(cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY)
         while True:
             try:
-                memory = cuda_vmm.check(cu.cuMemCreate(self.size, self.prop, 0))
-                break
+                return cuda_vmm.check(cu.cuMemCreate(size, self.prop, 0))
             except cuda_vmm.DriverError as exc:
                 if int(exc.code) != out_of_memory:
                     raise
                 if time.monotonic() >= deadline:
                     free, total = torch.cuda.mem_get_info(self.device)
-                    raise RuntimeError(f"the KV cache needs {_gb(self.size)} of device memory and {_gb(free)} of "
+                    raise RuntimeError(f"the KV cache needs {_gb(size)} more of device memory and {_gb(free)} of "
                                        f"{_gb(total)} stayed free for {timeout:.0f} s") from None  # fmt: skip
                 waiting()
                 time.sleep(RETRY_S)
-        torch.cuda.synchronize(self.device)  # nothing may still be using the placeholder
-        cuda_vmm.check(cu.cuMemUnmap(self.ptr, self.size))
-        cuda_vmm.check(cu.cuMemRelease(self.placeholder))
-        cuda_vmm.check(cu.cuMemMap(self.ptr, self.size, 0, memory, 0))
-        cuda_vmm.set_access(cu, self.ptr, self.size, self.device, writable=True)
-        self.memory, self.placeholder, self.held = memory, None, self.size
-        self.buffer.zero_()
-        torch.cuda.synchronize(self.device)
-        seconds = time.perf_counter() - started
-        log_event(log, "kv_committed", bytes=self.size, seconds=seconds)
-        return seconds
 
 
 def _lazy_zeros(nbytes: int) -> torch.Tensor:

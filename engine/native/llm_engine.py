@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,13 +30,14 @@ import torch
 from cache.arena import preload_transport
 from cache.processors.native import compute_dtype
 from common.device import resolve_device, to_device
-from common.events import log_event
+from common.events import log_event, log_warning
 from common.heartbeat import ENGINE_THREAD
 from engine.config import EngineConfig
 from engine.grammar import GrammarState, TokenMasks
 from engine.memory_plan import DeviceMemory, MemoryPlan, default_max_num_seqs, working_bytes
 from engine.memory_plan import plan as plan_memory
 from engine.native.kv_cache import BlockAllocator, KVCache, KVCacheSpec, kv_bytes_per_token
+from engine.native.kv_memory import block_multiple, granularity
 from engine.native.model import ModelArgs, Transformer
 from engine.native.model_runner import ModelRunner, StepOutput
 from engine.native.sampler import Drawn, draw, prompt_logprobs, skip_draws
@@ -62,6 +64,8 @@ class LLMEngine(EngineThread[Sequence]):
         self._launched: _Launched | None = None  # the step on the device, its tokens not drawn yet
         self._drawn: _Launched | None = None  # the step before it: its tokens drawn, not read yet
         self._activations: list[tuple[Future[float], float]] = []  # asked for (activate), with their timeouts
+        self._activated = False  # the KV cache's first stripes are committed
+        self._grown: list[tuple[int, int]] = []  # blocks committed since in the background, not handed out yet
         with self._phase("device_init"):
             self.device = resolve_device(config.device)
             if self.device.type == "cuda":
@@ -82,8 +86,11 @@ class LLMEngine(EngineThread[Sequence]):
         with self._phase("kv_alloc"):
             planned = self._plan_memory(loaded)
             self.max_num_seqs, self.max_model_len = planned.max_num_seqs, planned.max_model_len
-            spec = KVCacheSpec.plan(self.args.shape, self.dtype, self.max_num_seqs, self.max_model_len,
-                                    planned.kv_cache_bytes, config.block_size)  # fmt: skip
+            shape = self.args.shape
+            block_bytes = config.block_size * shape.kv_heads * shape.head_dim * torch.finfo(self.dtype).bits // 8
+            multiple = block_multiple(block_bytes, granularity(self.device, config.reserve_kv))
+            spec = KVCacheSpec.plan(shape, self.dtype, self.max_num_seqs, self.max_model_len,
+                                    planned.kv_cache_bytes, config.block_size, multiple)  # fmt: skip
             self.kv = KVCache(self.args.shape, spec, self.dtype, self.device, reserve=config.reserve_kv)
         self.memory = {**planned.describe(), "kv_cache_bytes": spec.total_bytes, "kv_tokens": spec.usable_tokens}
         log_event(log, "memory_plan", **{k: v for k, v in self.memory.items() if k != "device"},
@@ -219,12 +226,17 @@ class LLMEngine(EngineThread[Sequence]):
         return not (self.scheduler.idle and self._launched is None and self._drawn is None)
 
     def _idle(self) -> bool:
-        return not self._stepping() and not self._activations
+        return not self._stepping() and not self._activations and not self._grown
 
     def _steps_on(self) -> bool:
         return self._stepping()  # and _step hands the events over, at the latest before it returns
 
     def _work(self, pending: list[Sequence]) -> None:
+        if self._grown:
+            with self._wake:
+                grown, self._grown = self._grown, []
+            for first, end in grown:
+                self.scheduler.allocator.add(first, end)
         if self._activations and not self._stepping():
             self._activate()
         for seq in pending:
@@ -236,20 +248,39 @@ class LLMEngine(EngineThread[Sequence]):
         self.stats.step_done(time.perf_counter() - began)
 
     def _activate(self) -> None:
+        """Commit the cache's first stripes (the rest follow in the background, engine/native/kv_memory.py), and
+        hand the scheduler only committed blocks; the prefixes cached by what ran on the placeholder are gone."""
         with self._wake:
             activations, self._activations = self._activations, []
+        memory, timeout = self.kv.memory, max(t for _, t in activations)
         beat = self._heartbeat.beat if self._heartbeat is not None else lambda _slot: None
-        reserved = not self.kv.memory.committed
-        try:
-            seconds = self.kv.memory.commit(max(t for _, t in activations), lambda: beat(ENGINE_THREAD))
-        except Exception as exc:
-            for done, _ in activations:
-                done.set_exception(exc)
-            return
-        if reserved:  # the prefixes cached by what ran on the placeholder are not in the cache's own memory
-            self.scheduler.allocator.forget_cached()
+        seconds = 0.0
+        if not self._activated:
+            reserved = not memory.committed
+            try:
+                seconds = memory.commit_first(timeout, lambda: beat(ENGINE_THREAD))
+            except Exception as exc:
+                for done, _ in activations:
+                    done.set_exception(exc)
+                return
+            self._activated = True
+            if reserved:
+                self.scheduler.allocator.forget_cached()
+                self.scheduler.allocator.limit(memory.committed_blocks)
+                threading.Thread(target=self._commit_rest, args=(timeout,), name="warmgate-kv-commit",
+                                 daemon=True).start()  # fmt: skip
         for done, _ in activations:
             done.set_result(seconds)
+
+    def _commit_rest(self, timeout: float) -> None:
+        """The background thread: the cache's other stripes, each handed to the engine thread once committed."""
+        try:
+            while (stripe := self.kv.memory.commit_next(timeout)) is not None:
+                with self._wake:
+                    self._grown.append(stripe)
+                    self._wake.notify()
+        except Exception as exc:  # the engine serves on with the blocks it has
+            log_warning(log, "kv_commit_stopped", error=exc, blocks=self.kv.memory.committed_blocks)
 
     def _fail(self, error: str) -> None:
         self._launched = self._drawn = None  # what they drew is lost: a waiting sequence draws it again
