@@ -186,6 +186,15 @@ def main() -> None:
                                  "failed_during": len(load.failures) - failed})  # fmt: skip
             print(kind, round(first - t, 3), done.get("path"), done.get("phases"), flush=True)
 
+        def kill_active() -> tuple[float, float, int]:
+            """kill -9 of the active engine: when, its replacement's first token, the failures before."""
+            now = status()
+            old, failed = now["active"], len(load.failures)
+            pid = next(e["pid"] for e in now["engines"] if e["id"] == old)
+            killed = time.time()
+            os.kill(pid, signal.SIGKILL)
+            return killed, first_token_from_new_engine(url, admin, old), failed
+
         for _ in range(args.restarts):
             wait(lambda: status()["standbys"], 600, "no standby")
             restart("standby", {})
@@ -194,12 +203,7 @@ def main() -> None:
             time.sleep(3)  # streams in flight on the engine about to die
             wait(lambda: status()["standbys"], 600, "no standby")
             before = len([r for r in status()["restarts"] if r["reason"] == "crash"])
-            now = status()
-            old, failed = now["active"], len(load.failures)
-            pid = next(e["pid"] for e in now["engines"] if e["id"] == old)
-            t = time.time()
-            os.kill(pid, signal.SIGKILL)
-            first = first_token_from_new_engine(url, admin, old)
+            t, first, failed = kill_active()
             crash = wait(lambda: [r for r in status()["restarts"] if r["reason"] == "crash"][before:], 120, "recovery")
             rounds["kill"].append({"to_first_token_s": first - t, "report": crash[0], "killed_at": t,
                                    "failed_during": len(load.failures) - failed})  # fmt: skip
@@ -208,12 +212,7 @@ def main() -> None:
         if args.kill_storm:
             wait(lambda: len(status()["standbys"]) >= standbys, 600, "no standbys before the storm")
         for _ in range(args.kill_storm):  # back to back: no wait for a standby
-            now = status()
-            old, failed = now["active"], len(load.failures)
-            pid = next(e["pid"] for e in now["engines"] if e["id"] == old)
-            t = time.time()
-            os.kill(pid, signal.SIGKILL)
-            first = first_token_from_new_engine(url, admin, old)
+            t, first, failed = kill_active()
             rounds["kill storm"].append({"to_first_token_s": first - t, "killed_at": t,
                                          "failed_during": len(load.failures) - failed})  # fmt: skip
             print("kill storm", round(first - t, 3), flush=True)
@@ -227,12 +226,15 @@ def main() -> None:
         if args.restart_storm:
             wait(lambda: len(status()["standbys"]) >= standbys, 600, "no standbys before the storm")
             failed, threads, answers = len(load.failures), [], []
+
+            def ask(asked: float) -> None:
+                report = admin.post("/admin/restart", json={}).json()
+                answers.append((asked, time.time(), report))
+
             began = time.time()
             for i in range(args.restart_storm):
                 time.sleep(max(0.0, began + i * args.restart_storm_interval - time.time()))
-                asked = time.time()
-                thread = threading.Thread(target=lambda a=asked: answers.append(
-                    (a, time.time(), admin.post("/admin/restart", json={}).json())))  # fmt: skip
+                thread = threading.Thread(target=ask, args=(time.time(),))
                 thread.start()
                 threads.append(thread)
             for thread in threads:
