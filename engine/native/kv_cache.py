@@ -30,6 +30,11 @@ def kv_bytes_per_token(shape: ModelShape, dtype: torch.dtype) -> int:
     return shape.layers * 2 * shape.kv_heads * shape.head_dim * torch.finfo(dtype).bits // 8
 
 
+def kv_block_bytes(shape: ModelShape, dtype: torch.dtype, block_size: int) -> int:
+    """One block of one layer's keys (or values): the unit engine/native/kv_memory.py maps."""
+    return block_size * kv_bytes_per_token(shape, dtype) // (2 * shape.layers)
+
+
 @dataclass(frozen=True)
 class KVCacheSpec:
     blocks: int  # including the reserved null block
@@ -72,15 +77,16 @@ class KVCacheSpec:
 class KVCache:
     """Keys and values of every layer: k, v [layers, slots, kv_heads, head_dim], in one piece of memory.
 
-    ``reserve``: on CUDA the memory is only reserved until ``memory.commit`` (engine/native/kv_memory.py)."""
+    ``reserve``: on CUDA the memory is only reserved until it is committed, stripe by stripe of ``multiple``
+    blocks (the one the spec was planned with; engine/native/kv_memory.py)."""
 
     def __init__(self, shape: ModelShape, spec: KVCacheSpec, dtype: torch.dtype, device: torch.device,
-                 reserve: bool = False) -> None:  # fmt: skip
+                 reserve: bool = False, multiple: int = 1) -> None:  # fmt: skip
         self.spec = spec
         self.block_size = spec.block_size
         dims = (shape.layers, spec.slots, shape.kv_heads, shape.head_dim)
-        block_bytes = spec.block_size * shape.kv_heads * shape.head_dim * torch.finfo(dtype).bits // 8
-        self.memory = KVMemory(KVGeometry(shape.layers, spec.blocks, block_bytes), device, reserve)
+        geometry = KVGeometry(shape.layers, spec.blocks, kv_block_bytes(shape, dtype, spec.block_size))
+        self.memory = KVMemory(geometry, device, reserve, multiple)
         half = self.memory.geometry.half
         self.k = self.memory.buffer[:half].view(dtype).view(dims)
         self.v = self.memory.buffer[half:].view(dtype).view(dims)

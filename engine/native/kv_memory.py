@@ -88,10 +88,10 @@ class KVMemory:
     """The cache's bytes on ``device`` as one uint8 tensor (``buffer``), zeros, held at once or stripe by stripe
     from the first commit (``reserve``)."""
 
-    def __init__(self, geometry: KVGeometry, device: torch.device, reserve: bool) -> None:
+    def __init__(self, geometry: KVGeometry, device: torch.device, reserve: bool, multiple: int = 1) -> None:
+        """``multiple``: block_multiple of the device's granularity, which the geometry's block count is too."""
         self.geometry = geometry
         self.nbytes = 2 * geometry.half
-        multiple = block_multiple(geometry.block_bytes, granularity(device, reserve))
         self.stripes = geometry.stripes(STRIPE_BYTES, multiple) if reserve else [(0, geometry.blocks)]
         self._done = 0 if reserve else len(self.stripes)  # stripes committed, in order
         self._cuda: _Reserved | None = None

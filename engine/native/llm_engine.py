@@ -36,7 +36,7 @@ from engine.config import EngineConfig
 from engine.grammar import GrammarState, TokenMasks
 from engine.memory_plan import DeviceMemory, MemoryPlan, default_max_num_seqs, working_bytes
 from engine.memory_plan import plan as plan_memory
-from engine.native.kv_cache import BlockAllocator, KVCache, KVCacheSpec, kv_bytes_per_token
+from engine.native.kv_cache import BlockAllocator, KVCache, KVCacheSpec, kv_block_bytes, kv_bytes_per_token
 from engine.native.kv_memory import block_multiple, granularity
 from engine.native.model import ModelArgs, Transformer
 from engine.native.model_runner import ModelRunner, StepOutput
@@ -86,12 +86,12 @@ class LLMEngine(EngineThread[Sequence]):
         with self._phase("kv_alloc"):
             planned = self._plan_memory(loaded)
             self.max_num_seqs, self.max_model_len = planned.max_num_seqs, planned.max_model_len
-            shape = self.args.shape
-            block_bytes = config.block_size * shape.kv_heads * shape.head_dim * torch.finfo(self.dtype).bits // 8
-            multiple = block_multiple(block_bytes, granularity(self.device, config.reserve_kv))
+            shape, reserve = self.args.shape, config.reserve_kv
+            block_bytes = kv_block_bytes(shape, self.dtype, config.block_size)
+            multiple = block_multiple(block_bytes, granularity(self.device, reserve))
             spec = KVCacheSpec.plan(shape, self.dtype, self.max_num_seqs, self.max_model_len,
                                     planned.kv_cache_bytes, config.block_size, multiple)  # fmt: skip
-            self.kv = KVCache(self.args.shape, spec, self.dtype, self.device, reserve=config.reserve_kv)
+            self.kv = KVCache(shape, spec, self.dtype, self.device, reserve, multiple)
         self.memory = {**planned.describe(), "kv_cache_bytes": spec.total_bytes, "kv_tokens": spec.usable_tokens}
         log_event(log, "memory_plan", **{k: v for k, v in self.memory.items() if k != "device"},
                   **(planned.device.describe() if planned.device else {}))  # fmt: skip
