@@ -87,8 +87,12 @@ demo._write_marker(t, 'fp8-block', seconds=0.0)"
               cp $RUN/$tuned/serve_load.md $OUT/$tuned.md 2>/dev/null
               cp $RUN/$tuned/serve_load.json $OUT/$tuned.json 2>/dev/null
             done ;;
-    restarts) timeout ${RESTARTS_TIMEOUT:-420} python3 bench/restart_paths.py --model $MODEL --device cuda --clients 32 \
-              --out $RUN/restarts 2>&1 | tail -30
+    restarts) # Issue 24's run: the gateway's defaults (two standbys, KV cache planned from the device), 10 standby
+            # restarts, 3 through the fork server, 5 kills 1.5 s apart, 10 admin restarts 1 s apart. RESTARTS_ARGS overrides.
+            timeout ${RESTARTS_TIMEOUT:-420} python3 bench/restart_paths.py --model $MODEL --device cuda --clients 32 \
+              --out $RUN/restarts ${RESTARTS_ARGS:---standby -1 --kv-cache-bytes 0 --restarts 10 --kills 0 --forks 3 \
+              --kill-storm 5 --restart-storm 10} 2>&1 | tail -30
+            cp $RUN/restarts/restart_paths.json $OUT/ 2>/dev/null
             cp $RUN/restarts/restart_paths.md $OUT/ 2>/dev/null ;;
     serve)  # The acceptance sweep: 64-1024 streams through the gateway (8 client processes), 64 straight to the
             # engine's socket, default [restart]. About 4-5 min on the H200 (ready ~1 min, the 1024 level ~1 min); no

@@ -170,31 +170,39 @@ class _Reserved:
         log_event(log, "kv_reserved", bytes=size, placeholder_bytes=piece, stripes=len(stripes))
 
     def commit(self, stripe: tuple[int, int], timeout: float, waiting: Callable[[], None]) -> None:
+        """Map the stripe's own memory under its ranges, zeroed. One allocation per range: cuMemMap maps an
+        allocation only from its start (its offset argument must be 0; CUDA_ERROR_NOT_SUPPORTED otherwise, as the
+        H200 answered), so a stripe's ranges cannot share one."""
         cu, ranges = self.cu, self.geometry.ranges(*stripe)
-        size = sum(length for _, length in ranges)
-        memory = self._create(size, timeout, waiting)
+        memory: list[Any] = []
+        deadline, size = time.monotonic() + timeout, sum(length for _, length in ranges)
+        try:
+            for _, length in ranges:
+                memory.append(self._create(length, deadline, waiting, f"{_gb(size)} more", timeout))
+        except BaseException:
+            for handle in memory:
+                cu.cuMemRelease(handle)
+            raise
         if not self.handles:  # the first: what ran on the placeholder (warm-up, probe) must be done
             torch.cuda.synchronize(self.device)
         # Nothing reads or writes these ranges now: their blocks are handed out only once committed.
-        for offset, length in ranges:
+        for (offset, length), handle in zip(ranges, memory, strict=True):
             cuda_vmm.check(cu.cuMemUnmap(self.ptr + offset, length))
-        at = 0
-        for offset, length in ranges:
-            cuda_vmm.check(cu.cuMemMap(self.ptr + offset, length, at, memory, 0))
+            cuda_vmm.check(cu.cuMemMap(self.ptr + offset, length, 0, handle, 0))
             cuda_vmm.set_access(cu, self.ptr + offset, length, self.device, writable=True)
-            at += length
         with torch.cuda.stream(self.stream):
             for offset, length in ranges:
                 self.buffer[offset : offset + length].zero_()
         self.stream.synchronize()
-        self.handles.append(memory)
+        self.handles += memory
         self.held += size
         if stripe[1] == self.geometry.blocks:  # the last: no placeholder mapping is left
             cuda_vmm.check(cu.cuMemRelease(self.placeholder))
             self.placeholder, self.held = None, self.held - self.piece
 
-    def _create(self, size: int, timeout: float, waiting: Callable[[], None]) -> Any:
-        cu, deadline = self.cu, time.monotonic() + timeout
+    def _create(self, size: int, deadline: float, waiting: Callable[[], None], need: str, timeout: float) -> Any:
+        """An allocation of ``size`` bytes, retried until ``deadline`` while the device lacks the memory."""
+        cu = self.cu
         out_of_memory = int(cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY)
         while True:
             try:
@@ -204,7 +212,7 @@ class _Reserved:
                     raise
                 if time.monotonic() >= deadline:
                     free, total = torch.cuda.mem_get_info(self.device)
-                    raise RuntimeError(f"the KV cache needs {_gb(size)} more of device memory and {_gb(free)} of "
+                    raise RuntimeError(f"the KV cache needs {need} of device memory and {_gb(free)} of "
                                        f"{_gb(total)} stayed free for {timeout:.0f} s") from None  # fmt: skip
                 waiting()
                 time.sleep(RETRY_S)
