@@ -469,3 +469,15 @@ def test_fused_top_logprobs_match_torch() -> None:
         rows = [r for r in range(64) if r != 1]
         assert torch.equal(out[rows, k:].long(), ids[rows])
         assert out[1, k:].long().tolist()[:3] == [70000, 128255, 5][:k]
+    # The sampler takes it for greedy rows on CUDA: the same tokens and logprobs as its torch path on the CPU.
+    from engine.native.sampler import draw
+    from engine.sampling_params import LOGPROB_FLOOR, SamplingParams
+
+    params = [SamplingParams(temperature=0, logprobs=k) for k in [5] * 32 + [0] * 16 + [20] * 16]
+    on_cuda = draw(x, params, [[]] * 64, [None] * 64).read()
+    on_cpu = draw(x.cpu(), params, [[]] * 64, [None] * 64).read()
+    assert on_cuda.tokens == on_cpu.tokens
+    for got, want in zip(on_cuda.logprobs, on_cpu.logprobs, strict=True):
+        assert got is not None and want is not None
+        assert abs(got.logprob - want.logprob) < 1e-4
+        assert [t for t, v in got.top if v > LOGPROB_FLOOR] == [t for t, v in want.top if v > LOGPROB_FLOOR]
