@@ -836,7 +836,7 @@ class Bench:
         """Wait (at most --settle-timeout) for the standby engines to finish starting: an engine capturing CUDA graphs
         beside the measured one would take CPU and GPU time from the first level."""
         a = self.args
-        want = 1  # [restart] standby's default
+        want = 2 if a.device.startswith("cuda") else 1  # [restart] standby's default (app/config.py)
         for item in a.restart_set:
             key, _, value = item.partition("=")
             if key.strip() == "standby":
