@@ -223,6 +223,7 @@ def test_an_activation_asked_while_the_engine_serves_is_answered_between_steps(d
     per_block = 2 * 30 * 16 * 3 * 64 * 4  # the demo: 30 layers, 3 KV heads of 64, fp32 on the CPU
     monkeypatch.setattr(kv_memory, "STRIPE_BYTES", 4 * per_block)
     monkeypatch.setattr(kv_memory, "FIRST_BYTES", 4 * per_block)
+    monkeypatch.setattr(kv_memory, "MAX_STRIPE_BYTES", 4 * per_block)
     engine = _engine(demo_path("bf16"), reserve_kv=True)
     memory, allocator = engine.kv.memory, engine.scheduler.allocator
     assert len(memory.stripes) > 8 and not memory.committed

@@ -132,6 +132,7 @@ def test_a_reserved_kv_cache_holds_no_memory_until_committed_and_its_graphs_repl
     # 64 blocks (the fewest whose bytes fill 2 MiB mappings) of 2 layers x keys and values x 32 KiB: 8 MiB a stripe.
     monkeypatch.setattr(kv_memory, "STRIPE_BYTES", 8 << 20)
     monkeypatch.setattr(kv_memory, "FIRST_BYTES", 8 << 20)
+    monkeypatch.setattr(kv_memory, "MAX_STRIPE_BYTES", 8 << 20)
     free_before = torch.cuda.mem_get_info()[0]
     engine = LLMEngine(EngineConfig(**settings, reserve_kv=True))
     memory = engine.kv.memory

@@ -3,7 +3,7 @@ engine is made to serve (the supervisor activates every engine it starts before 
 
 A standby that held its whole KV cache cost as much device memory as the active engine (three engines with a
 12 GB KV cache each held 48.7 GB on the H200). A reserved cache is a range of virtual addresses
-(cuMemAddressReserve) with one small placeholder allocation mapped again and again along it: kernels and CUDA
+(cuMemAddressReserve) with one placeholder allocation of 2 MiB mapped again and again along it: kernels and CUDA
 graphs see valid addresses, graphs captured against them keep them, and the engine's warm-up runs (its keys and
 values land in the placeholder and mean nothing). A commit maps real memory under the same addresses in the
 placeholder's place, zeroed: the captured graphs replay unchanged. ../shared/probes/kv_remap_probe.py measured
@@ -11,9 +11,10 @@ the mechanism on the H200: 2 MiB held for a reserved 8 GB cache, 68 ms to map 8 
 captured before the remap replay correctly after it.
 
 At that rate a cache planned from the device (tens of GB) would take hundreds of milliseconds to map, on the
-path of a crash's first token. So the cache is committed in stripes of blocks (``STRIPE_BYTES`` each): the
-first ones (``FIRST_BYTES``) before the engine takes traffic, the rest in the background while it serves, each
-stripe's blocks handed to the scheduler once mapped and zeroed. A stripe of blocks is one range per layer of
+path of a crash's first token. So the cache is committed in stripes of blocks: the first ones (``FIRST_BYTES``,
+in stripes of ``STRIPE_BYTES``) before the engine takes traffic, the rest in the background while it serves, in
+stripes twice as large each time up to ``MAX_STRIPE_BYTES``, each stripe's blocks handed to the scheduler once
+mapped and zeroed. A stripe of blocks is one range per layer of
 keys and of values (the layout is [layers, slots, heads, dim]), so block counts and stripe bounds are multiples
 of the blocks that fill a mapping's granularity (``block_multiple``).
 
@@ -42,6 +43,10 @@ from common.events import log_event
 log = logging.getLogger("warmgate.engine.kv_memory")
 STRIPE_BYTES = 1 << 30  # one commit step: about 8 ms on the H200 at the probe's rate
 FIRST_BYTES = 2 << 30  # committed before the engine takes traffic: 16k tokens of Llama-3-8B
+# Past the first, stripes double up to this: each stripe is one allocation per layer of keys and of values, and the
+# driver frees thousands of them slowly when the engine dies (57 GB as 3,648 allocations: kill -9 to the exit 0.31 s
+# on the H200; as 64: 0.15 s; .diag/exit_probe.py in the issue note), which a crash's replacement waits for.
+MAX_STRIPE_BYTES = 8 << 30
 RETRY_S = 0.02  # between attempts of a commit waiting for memory
 
 
@@ -64,11 +69,25 @@ class KVGeometry:
         return [(part + i * layer + first * self.block_bytes, size) for part in (0, self.half)
                 for i in range(self.layers)]  # fmt: skip
 
-    def stripes(self, stripe_bytes: int, multiple: int) -> list[tuple[int, int]]:
-        """Block ranges committed one at a time, of about ``stripe_bytes``, beginning at multiples of ``multiple``."""
+    def stripes(self, stripe_bytes: int, multiple: int, first_bytes: int = 0,
+                max_bytes: int | None = None) -> list[tuple[int, int]]:  # fmt: skip
+        """Block ranges committed one at a time, beginning at multiples of ``multiple``: of about ``stripe_bytes``
+        until ``first_bytes`` are covered, then each twice the one before, up to ``max_bytes`` (default: all of
+        ``stripe_bytes``)."""
         per_block = 2 * self.layers * self.block_bytes
-        step = max(multiple, stripe_bytes // per_block // multiple * multiple)
-        return [(first, min(first + step, self.blocks)) for first in range(0, self.blocks, step)]
+
+        def blocks_of(n: int) -> int:
+            return max(multiple, n // per_block // multiple * multiple)
+
+        step, cap = blocks_of(stripe_bytes), blocks_of(max_bytes or stripe_bytes)
+        stripes: list[tuple[int, int]] = []
+        first = 0
+        while first < self.blocks:
+            stripes.append((first, min(first + step, self.blocks)))
+            first = stripes[-1][1]
+            if first * per_block >= first_bytes:
+                step = min(2 * step, max(cap, step))
+        return stripes
 
 
 def block_multiple(block_bytes: int, granularity: int) -> int:
@@ -92,7 +111,8 @@ class KVMemory:
         """``multiple``: block_multiple of the device's granularity, which the geometry's block count is too."""
         self.geometry = geometry
         self.nbytes = 2 * geometry.half
-        self.stripes = geometry.stripes(STRIPE_BYTES, multiple) if reserve else [(0, geometry.blocks)]
+        self.stripes = geometry.stripes(STRIPE_BYTES, multiple, FIRST_BYTES, MAX_STRIPE_BYTES) if reserve \
+            else [(0, geometry.blocks)]  # fmt: skip
         self._done = 0 if reserve else len(self.stripes)  # stripes committed, in order
         self._cuda: _Reserved | None = None
         if device.type == "cuda" and reserve:  # CUDA VMM, as the cache's arenas (cache/arena.py) need anyway
@@ -147,27 +167,28 @@ class KVMemory:
 
 
 class _Reserved:
-    """A CUDA VMM range with the placeholder mapped at every stripe's ranges, until each is committed."""
+    """A CUDA VMM range with the placeholder mapped at every granule of it, until each stripe is committed.
+
+    The placeholder is one granule (2 MiB), mapped whole again and again: the H200's driver maps an allocation only
+    whole, from its start (a mapping of part of one, or at an offset into it, is CUDA_ERROR_NOT_SUPPORTED)."""
 
     def __init__(self, geometry: KVGeometry, stripes: list[tuple[int, int]], device: torch.device) -> None:
         cu = self.cu = cuda_vmm.driver()
         self.geometry, self.device = geometry, device
         self.prop = cuda_vmm.allocation_prop(cu, device, exportable=False)
         size = 2 * geometry.half
+        granule = self.piece = cuda_vmm.granularity(cu, self.prop)
         self.ptr = int(cuda_vmm.check(cu.cuMemAddressReserve(size, 0, 0, 0)))
-        piece = max(last - first for first, last in stripes) * geometry.block_bytes
-        self.placeholder: Any = cuda_vmm.check(cu.cuMemCreate(piece, self.prop, 0))
-        for first, end in stripes:
-            for offset, length in geometry.ranges(first, end):
-                cuda_vmm.check(cu.cuMemMap(self.ptr + offset, length, 0, self.placeholder, 0))
+        self.placeholder: Any = cuda_vmm.check(cu.cuMemCreate(granule, self.prop, 0))
+        for at in range(self.ptr, self.ptr + size, granule):
+            cuda_vmm.check(cu.cuMemMap(at, granule, 0, self.placeholder, 0))
         cuda_vmm.set_access(cu, self.ptr, size, device, writable=True)
         self.buffer = cuda_vmm.wrap(self.ptr, size, device)
-        self.buffer[:piece].zero_()  # the placeholder reads zeros until something is written
+        self.buffer[:granule].zero_()  # the placeholder reads zeros until something is written
         self.handles: list[Any] = []  # the stripes' allocations
-        self.piece = piece
-        self.held = piece  # device bytes held: the placeholder, then the committed stripes
+        self.held = granule  # device bytes held: the placeholder, then the committed stripes
         self.stream = torch.cuda.Stream(device)  # zeroing, beside the engine's steps
-        log_event(log, "kv_reserved", bytes=size, placeholder_bytes=piece, stripes=len(stripes))
+        log_event(log, "kv_reserved", bytes=size, placeholder_bytes=granule, stripes=len(stripes))
 
     def commit(self, stripe: tuple[int, int], timeout: float, waiting: Callable[[], None]) -> None:
         """Map the stripe's own memory under its ranges, zeroed. One allocation per range: cuMemMap maps an
@@ -185,7 +206,8 @@ class _Reserved:
             raise
         if not self.handles:  # the first: what ran on the placeholder (warm-up, probe) must be done
             torch.cuda.synchronize(self.device)
-        # Nothing reads or writes these ranges now: their blocks are handed out only once committed.
+        # Nothing reads or writes these ranges now: their blocks are handed out only once committed. One unmap
+        # takes a range's placeholder mappings, all of them (as ../shared/probes/kv_remap_probe.py did).
         for (offset, length), handle in zip(ranges, memory, strict=True):
             cuda_vmm.check(cu.cuMemUnmap(self.ptr + offset, length))
             cuda_vmm.check(cu.cuMemMap(self.ptr + offset, length, 0, handle, 0))
