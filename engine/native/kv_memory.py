@@ -167,28 +167,39 @@ class KVMemory:
 
 
 class _Reserved:
-    """A CUDA VMM range with the placeholder mapped at every granule of it, until each stripe is committed.
+    """A CUDA VMM range with placeholder memory mapped all along it, until each stripe is committed.
 
-    The placeholder is one granule (2 MiB), mapped whole again and again: the H200's driver maps an allocation only
-    whole, from its start (a mapping of part of one, or at an offset into it, is CUDA_ERROR_NOT_SUPPORTED)."""
+    The driver maps an allocation only whole, from its start (a mapping of part of one, or at an offset into it,
+    is CUDA_ERROR_NOT_SUPPORTED on the H200). So the placeholder is two allocations, each mapped whole again and
+    again: one the size of a range of the first stripe (16 MiB for Llama-3-8B), along each range in such pieces,
+    and one granule (2 MiB) for what is left at a range's end. One per granule (27k mappings for a 57 GB cache)
+    took 1.0 s at start-up and made each commit's unmap slower."""
 
     def __init__(self, geometry: KVGeometry, stripes: list[tuple[int, int]], device: torch.device) -> None:
         cu = self.cu = cuda_vmm.driver()
         self.geometry, self.device = geometry, device
         self.prop = cuda_vmm.allocation_prop(cu, device, exportable=False)
         size = 2 * geometry.half
-        granule = self.piece = cuda_vmm.granularity(cu, self.prop)
+        granule = cuda_vmm.granularity(cu, self.prop)
+        first, end = stripes[0]
+        piece = (end - first) * geometry.block_bytes
         self.ptr = int(cuda_vmm.check(cu.cuMemAddressReserve(size, 0, 0, 0)))
-        self.placeholder: Any = cuda_vmm.check(cu.cuMemCreate(granule, self.prop, 0))
-        for at in range(self.ptr, self.ptr + size, granule):
-            cuda_vmm.check(cu.cuMemMap(at, granule, 0, self.placeholder, 0))
+        self.placeholders: list[Any] = [cuda_vmm.check(cu.cuMemCreate(n, self.prop, 0)) for n in (piece, granule)]
+        for a, b in stripes:
+            for offset, length in geometry.ranges(a, b):
+                at, stop = self.ptr + offset, self.ptr + offset + length
+                for n, handle in zip((piece, granule), self.placeholders, strict=True):
+                    while stop - at >= n:
+                        cuda_vmm.check(cu.cuMemMap(at, n, 0, handle, 0))
+                        at += n
         cuda_vmm.set_access(cu, self.ptr, size, device, writable=True)
         self.buffer = cuda_vmm.wrap(self.ptr, size, device)
-        self.buffer[:granule].zero_()  # the placeholder reads zeros until something is written
+        self.buffer.zero_()  # the placeholders read zeros until something is written (their aliases: ~20 ms)
         self.handles: list[Any] = []  # the stripes' allocations
-        self.held = granule  # device bytes held: the placeholder, then the committed stripes
+        self.piece = piece + granule
+        self.held = self.piece  # device bytes held: the placeholders, then the committed stripes
         self.stream = torch.cuda.Stream(device)  # zeroing, beside the engine's steps
-        log_event(log, "kv_reserved", bytes=size, placeholder_bytes=granule, stripes=len(stripes))
+        log_event(log, "kv_reserved", bytes=size, placeholder_bytes=self.piece, stripes=len(stripes))
 
     def commit(self, stripe: tuple[int, int], timeout: float, waiting: Callable[[], None]) -> None:
         """Map the stripe's own memory under its ranges, zeroed. One allocation per range: cuMemMap maps an
@@ -219,8 +230,9 @@ class _Reserved:
         self.handles += memory
         self.held += size
         if stripe[1] == self.geometry.blocks:  # the last: no placeholder mapping is left
-            cuda_vmm.check(cu.cuMemRelease(self.placeholder))
-            self.placeholder, self.held = None, self.held - self.piece
+            for handle in self.placeholders:
+                cuda_vmm.check(cu.cuMemRelease(handle))
+            self.placeholders, self.held = [], self.held - self.piece
 
     def _create(self, size: int, deadline: float, waiting: Callable[[], None], need: str, timeout: float) -> Any:
         """An allocation of ``size`` bytes, retried until ``deadline`` while the device lacks the memory."""
