@@ -126,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engine.add_argument("--heartbeat", type=Path, help="a heartbeat file (made by the supervisor) to stamp while "
                         "the engine makes progress: its liveness signal")  # fmt: skip
+    engine.add_argument("--lifeline", type=Path, help="the supervisor's lifeline socket, held open for the engine's "
+                        "life: its death is seen there before its exit (common/lifeline.py)")  # fmt: skip
     engine.set_defaults(run=_engine)
 
     relay = commands.add_parser("relay", help=argparse.SUPPRESS)  # started by `warmgate serve`, one per worker
@@ -288,6 +290,10 @@ def _cache(args: argparse.Namespace) -> None:
 
 
 def _engine(args: argparse.Namespace) -> None:
+    if args.lifeline is not None:  # first: before anything opens the CUDA driver's files
+        from common.lifeline import hold
+
+        hold(args.lifeline)
     from engine.worker import main as run_worker
 
     _not_the_gateways_metrics()

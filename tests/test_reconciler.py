@@ -101,6 +101,13 @@ class FakeLauncher:
     async def health(self, engine: Engine, timeout: float) -> HealthResponse | None:
         return engine.health
 
+    async def gone(self, engine: Engine) -> int | None:
+        assert engine.process is not None
+        return await engine.process.wait()
+
+    def close(self) -> None:
+        pass
+
     def announce(self, engine: Engine) -> None:
         self.log.append((engine.state.value, engine.id))
 
@@ -159,6 +166,33 @@ async def test_start_builds_a_standby_and_a_crash_promotes_it(harness: Harness) 
     assert ("probe", 2) in harness.launcher.log  # a standby answers a real generation before it takes traffic
     replacement = await harness.standby_ready()
     assert replacement.id == 3
+
+
+async def test_missing_standbys_are_built_side_by_side(tmp_path: Path) -> None:
+    """Two standbys wanted: both start at once (one at a time left back-to-back restarts on the H200 without one),
+    and two restarts in a row take one each, their replacements started together again."""
+    h = Harness(tmp_path, standby=2)
+    for engine_id in (2, 3):
+        h.launcher.hold[engine_id] = asyncio.Event()
+    h.reconciler.start()
+    try:
+        await h.reconciler.restart(h.config, "overlap", "start")
+        await h.until(lambda: {("start", 2), ("start", 3)} <= set(h.launcher.log), "both standbys starting")
+        assert not h.reconciler.standbys()  # both held mid-start, side by side
+        for event in h.launcher.hold.values():
+            event.set()
+        await h.until(lambda: len(h.reconciler.standbys()) == 2, "two standbys")
+        for engine_id in (4, 5):
+            h.launcher.hold[engine_id] = asyncio.Event()
+        first = await h.reconciler.restart(None, "overlap", "admin")
+        second = await h.reconciler.restart(None, "overlap", "admin")
+        assert first.path == second.path == "standby" and {first.engine, second.engine} == {2, 3}
+        await h.until(lambda: {("start", 4), ("start", 5)} <= set(h.launcher.log), "both replacements starting")
+        for engine_id in (4, 5):
+            h.launcher.hold[engine_id].set()
+        await h.until(lambda: len(h.reconciler.standbys()) == 2, "two standbys again")
+    finally:
+        await h.reconciler.close()
 
 
 async def test_overlap_switches_first_and_drains_the_old_engine_once_the_relays_have_the_new_table(

@@ -111,7 +111,7 @@ class Activated:
 @dataclass(frozen=True)
 class Exited:
     engine: Engine
-    code: int
+    code: int | None  # None: its death seen before its exit (common/lifeline.py)
 
 
 @dataclass(frozen=True)
@@ -188,7 +188,7 @@ class Reconciler:
         self._events: asyncio.Queue[Event] = asyncio.Queue()
         self._requests: deque[RestartRequest] = deque()
         self._restart: Restart | None = None
-        self._building: Engine | None = None  # the standby being started
+        self._building: set[Engine] = set()  # standbys being started, side by side
         self._lost = "crash"  # why no engine is active, when none is: the reason of the recovery's report
         self._recovery = Backoff(limits.crash_backoff, limits.crash_backoff_max)
         self._standby_backoff = Backoff(limits.crash_backoff, limits.crash_backoff_max)
@@ -266,6 +266,7 @@ class Reconciler:
         """Stop the loop and its tasks, and (``stop_engines``) every engine; without, they serve on for the next
         supervisor to adopt."""
         self._closing = True
+        self.launcher.close()
         if self._loop_task is not None:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -463,6 +464,7 @@ class Reconciler:
     # -- events ---------------------------------------------------------------------------------------------
 
     def _started(self, engine: Engine) -> None:
+        self._building.discard(engine)
         if engine.state is not EngineState.STARTING:  # closed meanwhile
             return
         self._set(engine, EngineState.READY)
@@ -471,8 +473,7 @@ class Reconciler:
         if r is not None and r.candidate is engine:
             self._activate(r)
             return
-        # a standby build: kept if it is still wanted (the config may have changed while it started)
-        self._building = None
+        # a standby build (or a restart's candidate it no longer wants): kept if it is still wanted
         self._standby_backoff.succeeded()
         current = [e for e in self.standbys() if e.config == self.desired]
         if self._closing or engine.config != self.desired or len(current) >= self.limits.standbys:
@@ -488,12 +489,12 @@ class Reconciler:
             r.candidate = None
             self._fail(r, error)
             return
-        if self._building is engine:
-            self._building = None
+        if engine in self._building:
+            self._building.discard(engine)
             log_warning(log, "standby_failed", error=error)
             self._wake_in(self._standby_backoff.failed())
 
-    def _exited(self, engine: Engine, code: int) -> None:
+    def _exited(self, engine: Engine, code: int | None) -> None:
         if engine.state not in (EngineState.READY, EngineState.ACTIVE, EngineState.STANDBY):
             return  # starting (its start reports it), draining or stopped (retired on purpose)
         was_active = engine.state is EngineState.ACTIVE
@@ -606,10 +607,8 @@ class Reconciler:
         self.engines.pop(engine.id, None)
 
     async def _watch(self, engine: Engine) -> None:
-        """Notice a crash at once (the process exits)."""
-        assert engine.process is not None
-        code = await engine.process.wait()
-        self.post(Exited(engine, code))
+        """Notice a crash at once: the engine's lifeline cut, or its process's exit."""
+        self.post(Exited(engine, await self.launcher.gone(engine)))
 
     def _reconcile_standbys(self) -> None:
         """Retire standbys of another config or beyond the wanted number; start one when one is missing."""
@@ -619,14 +618,15 @@ class Reconciler:
         current = [e for e in standbys if e.config == self.desired]
         for stale in [e for e in standbys if e.config != self.desired] + current[self.limits.standbys :]:
             self._retire(stale)
-        if self._building is not None or len(current) >= self.limits.standbys:
+        missing = self.limits.standbys - len(current) - len(self._building)
+        if missing <= 0:
             return
         wait = self._standby_backoff.remaining()
         if wait > 0:
             self._wake_in(wait)
             return
-        report = RestartReport(reason="standby", strategy="standby")
-        self._building = self._launch(self.desired, report)
+        for _ in range(missing):  # side by side: back-to-back restarts used them up faster than one at a time
+            self._building.add(self._launch(self.desired, RestartReport(reason="standby", strategy="standby")))
 
     # -- plumbing ---------------------------------------------------------------------------------------------
 
