@@ -195,6 +195,21 @@ async def test_missing_standbys_are_built_side_by_side(tmp_path: Path) -> None:
         await h.reconciler.close()
 
 
+async def test_a_restart_takes_a_standby_still_starting_rather_than_launching_another(harness: Harness) -> None:
+    """The standby being built began earlier than any engine the restart could launch now: the restart waits for
+    it (its report says standby, with the wait), and the next standby is built after."""
+    harness.launcher.hold[2] = asyncio.Event()
+    await harness.reconciler.restart(harness.config, "overlap", "start")
+    await harness.until(lambda: ("start", 2) in harness.launcher.log, "the standby starting")
+    restart = asyncio.ensure_future(harness.reconciler.restart(None, "overlap", "admin"))
+    await asyncio.sleep(0.1)
+    assert not restart.done() and ("start", 3) not in harness.launcher.log
+    harness.launcher.hold[2].set()
+    report = await restart
+    assert report.ok and report.engine == 2 and report.path == "standby" and "standby_wait" in report.phases
+    assert (await harness.standby_ready()).id == 3
+
+
 async def test_overlap_switches_first_and_drains_the_old_engine_once_the_relays_have_the_new_table(
     harness: Harness,
 ) -> None:

@@ -399,7 +399,15 @@ class Reconciler:
                 r.phase = Phase.OBTAIN
             elif r.phase is Phase.OBTAIN:
                 if r.candidate is None:
-                    r.candidate = self._launch(r.request.config, r.report)
+                    # A standby of this config still starting began before any engine launched now would: the
+                    # restart takes it (back-to-back restarts and crashes outrun the standbys' builds otherwise).
+                    building = next((e for e in self._building if e.config == r.request.config), None)
+                    if building is not None:
+                        self._building.discard(building)
+                        r.candidate, r.report.path = building, "standby"
+                        r.lap()
+                    else:
+                        r.candidate = self._launch(r.request.config, r.report)
                     r.phase = Phase.STARTING
                     return
                 self._activate(r)
@@ -471,6 +479,8 @@ class Reconciler:
         self._spawn(self._watch(engine))
         r = self._restart
         if r is not None and r.candidate is engine:
+            if r.report.path == "standby":  # a standby build the restart took while it started
+                r.report.phases["standby_wait"] = r.lap()
             self._activate(r)
             return
         # a standby build (or a restart's candidate it no longer wants): kept if it is still wanted
