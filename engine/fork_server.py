@@ -84,6 +84,20 @@ def serve(socket_path: Path, child_main: ChildMain, backend: str = "native") -> 
     return 0
 
 
+def _load_tokenizer(argv: list[str]) -> None:
+    """Load the tokenizer of the engine about to be forked, here, once (ChatTokenizer.load): the worker inherits
+    it instead of loading it in its start-up. Anything wrong is the worker's to report."""
+    from engine.config import EngineConfig
+    from engine.tokenizer import ChatTokenizer
+
+    if argv[:1] != ["engine"] or "--config" not in argv[:-1]:
+        return
+    try:
+        ChatTokenizer.load(EngineConfig.load(argv[argv.index("--config") + 1]).model)
+    except Exception as exc:  # the worker loads it again and fails with its own message
+        log_event(log, "tokenizer_preload_failed", error=f"{type(exc).__name__}: {exc}")
+
+
 class _ForkServer:
     def __init__(self, socket_path: Path, child_main: ChildMain) -> None:
         self.socket_path = socket_path
@@ -159,6 +173,7 @@ class _ForkServer:
 
         if torch.cuda.is_initialized():  # never fork a process holding a CUDA context
             raise OSError("the fork server has initialized CUDA; refusing to fork")
+        _load_tokenizer(argv)
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()

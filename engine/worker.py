@@ -141,10 +141,12 @@ async def _warm_up(app: FastAPI) -> None:
         requests.append(("/v1/chat/completions", body))
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://warmup") as client:
-        for path, body in requests:
-            response = await client.post(path, json={**body, "temperature": 0})
-            if response.status_code != 200:
-                raise RuntimeError(f"warm-up request {path} failed: {response.status_code} {response.text[:200]}")
+        # At once: their steps are shared (one after the other, each request's steps were a start-up's wait).
+        responses = await asyncio.gather(*(client.post(path, json={**body, "temperature": 0})
+                                           for path, body in requests))  # fmt: skip
+    for (path, _), response in zip(requests, responses, strict=True):
+        if response.status_code != 200:
+            raise RuntimeError(f"warm-up request {path} failed: {response.status_code} {response.text[:200]}")
 
 
 def main(socket_path: str | Path, config_source: str, drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
@@ -184,12 +186,14 @@ def main(socket_path: str | Path, config_source: str, drain_timeout: float = DEF
     )
 
     t = time.perf_counter()
-    tokenizer = ChatTokenizer(config.model)
+    tokenizer = ChatTokenizer.load(config.model)
     log_event("startup", phase="tokenizer", seconds=time.perf_counter() - t)
 
+    tokenizer_seconds = time.perf_counter() - t
     t = time.perf_counter()
     engine = _build_engine(config)
     log_event("startup", phase="engine", seconds=time.perf_counter() - t, model=config.name, device=config.device)
+    engine.startup_phases["tokenizer"] = tokenizer_seconds
 
     if stop_requested:
         log_event("exit", reason=f"{stop_requested[0]} during start-up", seconds=time.perf_counter() - started)
@@ -213,7 +217,8 @@ def main(socket_path: str | Path, config_source: str, drain_timeout: float = DEF
     import uvloop  # the HTTP loop on libuv, as the relays' (bench/engine_host.py: 67 -> 62 us of CPU per token)
 
     uvloop.run(_warm_up(app))
-    log_event("startup", phase="server_warmup", seconds=time.perf_counter() - t)
+    engine.startup_phases["server_warmup"] = time.perf_counter() - t
+    log_event("startup", phase="server_warmup", seconds=engine.startup_phases["server_warmup"])
     # What start-up made (modules, the model's tensors and graphs) lives as long as the worker: moved out
     # of the collector's generations, it is not walked again by every full collection while serving.
     gc.collect()

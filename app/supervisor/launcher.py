@@ -30,7 +30,9 @@ from common.lifeline import Lifelines
 from engine.protocol import ActivateRequest, DrainRequest, HealthResponse
 
 log = logging.getLogger("warmgate.supervisor.launcher")
-STARTUP_PHASES = ("weight_load", "model_init", "kv_alloc", "cuda_graphs", "warmup")
+# An engine's start-up as it reports it (/health's startup_phases), copied into the restart's report.
+STARTUP_PHASES = ("tokenizer", "device_init", "weight_load", "model_init", "kv_alloc", "cuda_graphs", "warmup",
+                  "server_warmup")  # fmt: skip
 PROBE = {"prompt": "Hello", "max_tokens": 1, "temperature": 0}
 
 
