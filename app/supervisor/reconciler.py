@@ -162,6 +162,7 @@ class Restart:
     old: Engine | None  # the active engine when it began
     phase: Phase = Phase.PICK
     candidate: Engine | None = None  # the engine that will take over
+    build: RestartReport | None = None  # the start's report of a standby build taken as the candidate
     began: float = field(default_factory=time.perf_counter)
     mark: float = field(default_factory=time.perf_counter)  # when the current phase began
 
@@ -188,7 +189,7 @@ class Reconciler:
         self._events: asyncio.Queue[Event] = asyncio.Queue()
         self._requests: deque[RestartRequest] = deque()
         self._restart: Restart | None = None
-        self._building: set[Engine] = set()  # standbys being started, side by side
+        self._building: dict[Engine, RestartReport] = {}  # standbys being started, side by side, with their reports
         self._lost = "crash"  # why no engine is active, when none is: the reason of the recovery's report
         self._recovery = Backoff(limits.crash_backoff, limits.crash_backoff_max)
         self._standby_backoff = Backoff(limits.crash_backoff, limits.crash_backoff_max)
@@ -403,7 +404,7 @@ class Reconciler:
                     # restart takes it (back-to-back restarts and crashes outrun the standbys' builds otherwise).
                     building = next((e for e in self._building if e.config == r.request.config), None)
                     if building is not None:
-                        self._building.discard(building)
+                        r.build = self._building.pop(building)
                         r.candidate, r.report.path = building, "standby"
                         r.lap()
                     else:
@@ -472,15 +473,15 @@ class Reconciler:
     # -- events ---------------------------------------------------------------------------------------------
 
     def _started(self, engine: Engine) -> None:
-        self._building.discard(engine)
+        self._building.pop(engine, None)
         if engine.state is not EngineState.STARTING:  # closed meanwhile
             return
         self._set(engine, EngineState.READY)
         self._spawn(self._watch(engine))
         r = self._restart
         if r is not None and r.candidate is engine:
-            if r.report.path == "standby":  # a standby build the restart took while it started
-                r.report.phases["standby_wait"] = r.lap()
+            if r.report.path == "standby":  # a standby build the restart took while it started: its start's phases
+                r.report.phases.update({**(r.build.phases if r.build else {}), "standby_wait": r.lap()})
             self._activate(r)
             return
         # a standby build (or a restart's candidate it no longer wants): kept if it is still wanted
@@ -499,8 +500,7 @@ class Reconciler:
             r.candidate = None
             self._fail(r, error)
             return
-        if engine in self._building:
-            self._building.discard(engine)
+        if self._building.pop(engine, None) is not None:
             log_warning(log, "standby_failed", error=error)
             self._wake_in(self._standby_backoff.failed())
 
@@ -636,7 +636,8 @@ class Reconciler:
             self._wake_in(wait)
             return
         for _ in range(missing):  # side by side: back-to-back restarts used them up faster than one at a time
-            self._building.add(self._launch(self.desired, RestartReport(reason="standby", strategy="standby")))
+            report = RestartReport(reason="standby", strategy="standby")
+            self._building[self._launch(self.desired, report)] = report
 
     # -- plumbing ---------------------------------------------------------------------------------------------
 
