@@ -202,7 +202,8 @@ async def test_a_restart_takes_a_standby_still_starting_rather_than_launching_an
     await harness.reconciler.restart(harness.config, "overlap", "start")
     await harness.until(lambda: ("start", 2) in harness.launcher.log, "the standby starting")
     restart = asyncio.ensure_future(harness.reconciler.restart(None, "overlap", "admin"))
-    await asyncio.sleep(0.1)
+    await harness.until(lambda: harness.reconciler._restart is not None and
+                        harness.reconciler._restart.candidate is not None, "the restart's candidate")  # fmt: skip
     assert not restart.done() and ("start", 3) not in harness.launcher.log
     harness.launcher.hold[2].set()
     report = await restart

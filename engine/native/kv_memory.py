@@ -185,16 +185,19 @@ class _Reserved:
         piece = (end - first) * geometry.block_bytes
         self.ptr = int(cuda_vmm.check(cu.cuMemAddressReserve(size, 0, 0, 0)))
         self.placeholders: list[Any] = [cuda_vmm.check(cu.cuMemCreate(n, self.prop, 0)) for n in (piece, granule)]
+        once: dict[int, int] = {}  # placeholder size -> where it is first mapped
         for a, b in stripes:
             for offset, length in geometry.ranges(a, b):
                 at, stop = self.ptr + offset, self.ptr + offset + length
                 for n, handle in zip((piece, granule), self.placeholders, strict=True):
                     while stop - at >= n:
                         cuda_vmm.check(cu.cuMemMap(at, n, 0, handle, 0))
+                        once.setdefault(n, at)
                         at += n
         cuda_vmm.set_access(cu, self.ptr, size, device, writable=True)
         self.buffer = cuda_vmm.wrap(self.ptr, size, device)
-        self.buffer.zero_()  # the placeholders read zeros until something is written (their aliases: ~20 ms)
+        for n, at in once.items():  # each placeholder zeroed once, at one of its mappings: it reads zeros everywhere
+            self.buffer[at - self.ptr : at - self.ptr + n].zero_()
         self.handles: list[Any] = []  # the stripes' allocations
         self.piece = piece + granule
         self.held = self.piece  # device bytes held: the placeholders, then the committed stripes
