@@ -16,6 +16,7 @@ gives up the exit notice; the worker lives on.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import random
@@ -174,6 +175,10 @@ class _ForkServer:
         if torch.cuda.is_initialized():  # never fork a process holding a CUDA context
             raise OSError("the fork server has initialized CUDA; refusing to fork")
         _load_tokenizer(argv)
+        # What the server holds (its modules, the tokenizer) out of the collector's generations: the worker's
+        # collections during start-up then walk only what it makes (a full one over the server's ~230k objects
+        # took 0.12 s on two cores), and reading them never touches the pages the fork shares.
+        gc.freeze()
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()

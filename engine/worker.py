@@ -221,8 +221,10 @@ def main(socket_path: str | Path, config_source: str, drain_timeout: float = DEF
     log_event("startup", phase="server_warmup", seconds=engine.startup_phases["server_warmup"])
     # What start-up made (modules, the model's tensors and graphs) lives as long as the worker: moved out
     # of the collector's generations, it is not walked again by every full collection while serving.
+    t = time.perf_counter()
     gc.collect()
     gc.freeze()
+    engine.startup_phases["gc"] = time.perf_counter() - t
     log_event("ready", socket=socket_path, seconds=time.perf_counter() - started, **engine.startup_phases)
     try:
         uvloop.run(_serve(app, app.state.api, engine, sock, drain_timeout, stop_requested, heartbeat, socket_path))

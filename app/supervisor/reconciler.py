@@ -17,7 +17,8 @@ A restart request goes through these phases (``Phase``):
               the engine it replaces gave back (a crashed or replaced one) or left for it (``overlap``)
     switch    the new engine becomes active; the relays get the new table; ``overlap``: the old engine is
               drained once every relay has stopped sending it requests
-    finish    the report is complete when the old engine has stopped
+    finish    the report is complete when the old engine has stopped; the next restart does not wait for it (its
+              candidate's KV commit waits for memory a draining engine still holds, kv_memory.py)
 
 A crash of the active engine leaves none active: the loop then carries out a restart of its own (reason
 "crash", standby first), with backoff after failures. A new engine that fails to start is stopped and
@@ -189,6 +190,7 @@ class Reconciler:
         self._events: asyncio.Queue[Event] = asyncio.Queue()
         self._requests: deque[RestartRequest] = deque()
         self._restart: Restart | None = None
+        self._drains: dict[Engine, Restart] = {}  # switched restarts whose old engine still drains: their reports
         self._building: dict[Engine, RestartReport] = {}  # standbys being started, side by side, with their reports
         self._lost = "crash"  # why no engine is active, when none is: the reason of the recovery's report
         self._recovery = Backoff(limits.crash_backoff, limits.crash_backoff_max)
@@ -243,8 +245,8 @@ class Reconciler:
                       at_switch: bool = False) -> RestartReport:  # fmt: skip
         """Want an active engine started (or promoted) for this request with ``config`` (none: the current one).
         The report comes once the old engine has drained, or with ``at_switch`` once the new one takes traffic
-        (``drained`` false: the old one drains on, shown as draining in the status, and the next restart waits
-        for it)."""
+        (``drained`` false: the old one drains on, shown as draining in the status). Either way the next restart
+        begins at the switch: back-to-back restarts do not queue behind drains."""
         wanted = config or self.desired
         if wanted is None:
             raise ValueError("no engine config yet: the first engine has not started")
@@ -278,8 +280,9 @@ class Reconciler:
         for request in self._requests:
             if request.done is not None:
                 request.done.cancel()
-        if self._restart is not None and self._restart.request.done is not None:
-            self._restart.request.done.cancel()
+        for r in [self._restart, *self._drains.values()]:
+            if r is not None and r.request.done is not None:
+                r.request.done.cancel()
         if not stop_engines:
             return
         grace = self.limits.drain_timeout + 10
@@ -364,20 +367,26 @@ class Reconciler:
     def _reconcile(self) -> None:
         if self._closing:
             return
-        if self._restart is None and self._requests:
-            request = self._requests.popleft()
-            self._restart = Restart(request, RestartReport(request.reason, request.strategy), self.active)
-        if self._restart is None and self.active is None and self.desired is not None:
-            wait = self._recovery.remaining()
-            if wait > 0:
-                self._wake_in(wait)
-            else:
-                recovery = RestartRequest(self.desired, "replace", self._lost)
-                self._restart = Restart(recovery, RestartReport(recovery.reason, recovery.strategy), None)
-        if self._restart is not None:
-            self._advance(self._restart)
-        if self._restart is None:
-            self._reconcile_standbys()
+        while True:  # a restart done at its switch makes way for the next at once
+            if self._restart is None:
+                if self._requests:
+                    request = self._requests.popleft()
+                    self._restart = Restart(request, RestartReport(request.reason, request.strategy), self.active)
+                elif self.active is None and self.desired is not None:
+                    wait = self._recovery.remaining()
+                    if wait > 0:
+                        self._wake_in(wait)
+                        break
+                    recovery = RestartRequest(self.desired, "replace", self._lost)
+                    self._restart = Restart(recovery, RestartReport(recovery.reason, recovery.strategy), None)
+                else:
+                    break
+            r = self._restart
+            self._advance(r)
+            if self._restart is r:  # it waits for an event
+                break
+        if self._restart is None or self._restart.request.config == self.desired:
+            self._reconcile_standbys()  # during a restart too: it may be taking the standby a later one needs
 
     def _advance(self, r: Restart) -> None:
         """Take the restart through as many phases as it can go without waiting for an event."""
@@ -443,6 +452,8 @@ class Reconciler:
             if r.request.at_switch and r.request.done is not None and not r.request.done.done():
                 answer = dataclasses.replace(report, phases={**report.phases, "total": time.perf_counter() - r.began})
                 r.request.done.set_result(answer)
+            self._drains[old] = r  # completed when it has stopped (_stopped); the loop takes the next restart now
+            self._restart = None
         else:
             self._complete(r)
 
@@ -460,7 +471,8 @@ class Reconciler:
                   **{f"{k}_s": v for k, v in report.phases.items()})  # fmt: skip
         if r.request.done is not None and not r.request.done.done():
             r.request.done.set_result(report)
-        self._restart = None
+        if self._restart is r:
+            self._restart = None
         if not report.ok and self.active is None:  # nothing serves: try again later, slower each time
             self._lost = "replace failed" if r.request.strategy == "replace" and r.old is not None else self._lost
             self._wake_in(self._recovery.failed())
@@ -523,20 +535,18 @@ class Reconciler:
             r.old = None
             if r.phase is Phase.DRAINING_OLD:
                 r.phase = Phase.OBTAIN
-            elif r.phase is Phase.FINISH:
-                self._complete(r)
 
     def _stopped(self, engine: Engine) -> None:
         if engine.state is EngineState.DRAINING:
             self._forget(engine, EngineState.STOPPED)
         r = self._restart
-        if r is not None and r.old is engine:
-            if r.phase is Phase.DRAINING_OLD:
-                r.report.phases["drain"] = r.lap()
-                r.phase = Phase.OBTAIN
-            elif r.phase is Phase.FINISH:
-                r.report.phases["drain"] = r.lap()
-                self._complete(r)
+        if r is not None and r.old is engine and r.phase is Phase.DRAINING_OLD:
+            r.report.phases["drain"] = r.lap()
+            r.phase = Phase.OBTAIN
+        switched = self._drains.pop(engine, None)
+        if switched is not None:  # `overlap`: the engine a switched restart replaced has drained
+            switched.report.phases["drain"] = switched.lap()
+            self._complete(switched)
 
     # -- primitives: each starts a task that reports back with an event ---------------------------------------
 

@@ -102,6 +102,7 @@ class LLMEngine(EngineThread[Sequence]):
         if self.runner.use_graphs:
             with self._phase("cuda_graphs"):  # every graph before ready: no capture on a request's path
                 self.runner.capture_all()
+            self.startup_phases.update({f"graph_{k}": v for k, v in self.runner.capture_parts.items()})
         with self._phase("warmup"):
             self.generate([[self.eos_token_ids[0]] * 4], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
 

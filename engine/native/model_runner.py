@@ -36,9 +36,17 @@ def decode_buckets(max_seqs: int) -> list[int]:
     return sorted(s for s in sizes if s <= max_seqs)
 
 
+# Mixed steps above this many tokens run eagerly: the device's time on them (2,048 tokens of Llama-3-8B FP8 on the
+# H200: 41 ms, docs/benchmarks.md's step profile) dwarfs launching their kernels one by one, while their graphs cost
+# the fork path an eager warm-up and a first launch at full size each, and the shared pool their activations.
+MAX_MIXED_GRAPH_TOKENS = 1024
+
+
 def mixed_buckets(max_tokens: int) -> list[int]:
-    """Step sizes (tokens) with a mixed-step graph: powers of two from 32, and the budget itself."""
-    return sorted({*(1 << i for i in range(5, max_tokens.bit_length()) if 1 << i < max_tokens), max_tokens})
+    """Step sizes (tokens) with a mixed-step graph: powers of two from 32, and the budget itself, up to
+    ``MAX_MIXED_GRAPH_TOKENS``."""
+    top = min(max_tokens, MAX_MIXED_GRAPH_TOKENS)
+    return sorted({*(1 << i for i in range(5, top.bit_length()) if 1 << i < top), top})
 
 
 @dataclass(frozen=True)
@@ -167,7 +175,7 @@ class ModelRunner:
         seqs = len(step)
         decode = all(w.count == 1 for w in step)
         tokens = sum(w.count for w in step)
-        if self.use_graphs and not every_token:
+        if self.use_graphs and not every_token and (decode or tokens <= self.mixed_sizes[-1]):
             if decode:
                 key = ("decode", _bucket(self.decode_sizes, seqs))
             else:
@@ -230,8 +238,9 @@ class ModelRunner:
         captured directly (``warm_up_each`` warms every size up). Measured on the H200 (Triton 3.6,
         bench/graph_capture.py): Triton kernels compile and load inside a capture fine, and graphs
         equal the eager steps exactly. Every graph is launched once after all are captured (the
-        first launch uploads it to the device), so the device-wide synchronize that torch.cuda.graph
-        does before each capture finds nothing to wait for, even with another engine busy on the GPU.
+        first launch uploads it to the device). Captures begin without torch.cuda.graph's synchronize and
+        empty_cache before each (the cached blocks it frees are allocated again by the next warm-up and
+        capture, and each free waits for the device, which another engine keeps busy on the fork path).
         """
         begin = time.perf_counter()
         keys = sorted([("mixed", t) for t in self.mixed_sizes] + [("decode", b) for b in self.decode_sizes],
@@ -277,8 +286,13 @@ class ModelRunner:
         parts["warmup"] = parts.get("warmup", 0.0) + time.perf_counter() - t
         t = time.perf_counter()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=side):
-            logits, argmax = run()
+        side.wait_stream(torch.cuda.current_stream())  # the dummy inputs, written in stream order
+        with torch.cuda.stream(side):
+            graph.capture_begin(pool=self.pool)
+            try:
+                logits, argmax = run()
+            finally:
+                graph.capture_end()
         parts["capture"] = parts.get("capture", 0.0) + time.perf_counter() - t
         self.graphs[key] = (graph, logits, argmax)
 
