@@ -70,6 +70,13 @@ class DeviceMemory:
     context: int = CONTEXT_BYTES  # one engine's CUDA context
 
     @property
+    def unbudgeted(self) -> int:
+        """What the plan leaves of the device: a KV commit keeps at least this much free (kv_memory.py), so that
+        engines past the plan (a second draining one, after restarts in a row) wait for memory instead of taking
+        the margin every other engine's allocations need."""
+        return self.total - int(self.total * self.fraction)
+
+    @property
     def engine_reserve(self) -> int:
         """One engine's memory besides its KV cache and the weights."""
         return self.context + self.working

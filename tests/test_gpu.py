@@ -128,6 +128,23 @@ def test_overlapped_cuda_steps_feed_each_sequence_its_own_last_token(tmp_path: P
         torch.cuda.empty_cache()
 
 
+def test_a_kv_commit_leaves_the_headroom_free_and_waits_for_it() -> None:
+    """A commit that would leave less than its headroom free waits (here: the whole device as headroom, so it never
+    comes) and says so, holding no more than before; with the headroom the device has, it commits."""
+    from engine.native.kv_memory import KVGeometry, KVMemory
+
+    geometry = KVGeometry(layers=2, blocks=64, block_bytes=32 << 10)  # 2 x 2 x 64 x 32 KiB = 8 MiB
+    total = torch.cuda.mem_get_info()[1]
+    starved = KVMemory(geometry, torch.device("cuda"), reserve=True, multiple=64, headroom=total)
+    held = starved.device_bytes
+    with pytest.raises(RuntimeError, match="kept free besides"):
+        starved.commit_first(timeout=0.3)
+    assert starved.device_bytes == held and not starved.committed
+    roomy = KVMemory(geometry, torch.device("cuda"), reserve=True, multiple=64, headroom=1 << 30)
+    roomy.commit_first(timeout=5)
+    assert roomy.committed_blocks > 0
+
+
 def test_a_reserved_kv_cache_holds_no_memory_until_committed_and_its_graphs_replay_after(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """A standby's KV cache (engine/native/kv_memory.py): reserved addresses with a placeholder under them while

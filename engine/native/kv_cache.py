@@ -81,12 +81,12 @@ class KVCache:
     blocks (the one the spec was planned with; engine/native/kv_memory.py)."""
 
     def __init__(self, shape: ModelShape, spec: KVCacheSpec, dtype: torch.dtype, device: torch.device,
-                 reserve: bool = False, multiple: int = 1) -> None:  # fmt: skip
+                 reserve: bool = False, multiple: int = 1, headroom: int = 0) -> None:  # fmt: skip
         self.spec = spec
         self.block_size = spec.block_size
         dims = (shape.layers, spec.slots, shape.kv_heads, shape.head_dim)
         geometry = KVGeometry(shape.layers, spec.blocks, kv_block_bytes(shape, dtype, spec.block_size))
-        self.memory = KVMemory(geometry, device, reserve, multiple)
+        self.memory = KVMemory(geometry, device, reserve, multiple, headroom)
         half = self.memory.geometry.half
         self.k = self.memory.buffer[:half].view(dtype).view(dims)
         self.v = self.memory.buffer[half:].view(dtype).view(dims)

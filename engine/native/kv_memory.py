@@ -19,7 +19,10 @@ keys and of values (the layout is [layers, slots, heads, dim]), so block counts 
 of the blocks that fill a mapping's granularity (``block_multiple``).
 
 The memory a commit needs may still be held by the engine this one replaces (a crashed one's until the driver
-has torn its context down, a draining one's until it exits): a commit waits for it, up to its timeout.
+has torn its context down, a draining one's until it exits): a commit waits for it, up to its timeout. It waits
+too while it would leave less than ``headroom`` free (the device's memory past gpu_memory_fraction): ten restarts
+1 s apart on the H200 left two engines draining beside the new one, whose background commit took the device's
+last bytes, and a step of the active engine failed for 16 MiB.
 
 On the CPU the kernel commits memory lazily anyway (an anonymous mapping holds nothing until written): a
 reserved cache is the same mapping, its stripes are only bookkeeping, and the same hand-over of blocks runs.
@@ -107,8 +110,10 @@ class KVMemory:
     """The cache's bytes on ``device`` as one uint8 tensor (``buffer``), zeros, held at once or stripe by stripe
     from the first commit (``reserve``)."""
 
-    def __init__(self, geometry: KVGeometry, device: torch.device, reserve: bool, multiple: int = 1) -> None:
-        """``multiple``: block_multiple of the device's granularity, which the geometry's block count is too."""
+    def __init__(self, geometry: KVGeometry, device: torch.device, reserve: bool, multiple: int = 1,
+                 headroom: int = 0) -> None:  # fmt: skip
+        """``multiple``: block_multiple of the device's granularity, which the geometry's block count is too;
+        ``headroom``: device bytes a commit leaves free."""
         self.geometry = geometry
         self.nbytes = 2 * geometry.half
         self.stripes = geometry.stripes(STRIPE_BYTES, multiple, FIRST_BYTES, MAX_STRIPE_BYTES) if reserve \
@@ -116,7 +121,7 @@ class KVMemory:
         self._done = 0 if reserve else len(self.stripes)  # stripes committed, in order
         self._cuda: _Reserved | None = None
         if device.type == "cuda" and reserve:  # CUDA VMM, as the cache's arenas (cache/arena.py) need anyway
-            self._cuda = _Reserved(geometry, self.stripes, device)
+            self._cuda = _Reserved(geometry, self.stripes, device, headroom)
             self.buffer = self._cuda.buffer
         elif device.type == "cuda":
             self.buffer = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
@@ -175,9 +180,10 @@ class _Reserved:
     and one granule (2 MiB) for what is left at a range's end. One per granule (27k mappings for a 57 GB cache)
     took 1.0 s at start-up and made each commit's unmap slower."""
 
-    def __init__(self, geometry: KVGeometry, stripes: list[tuple[int, int]], device: torch.device) -> None:
+    def __init__(self, geometry: KVGeometry, stripes: list[tuple[int, int]], device: torch.device,
+                 headroom: int) -> None:  # fmt: skip
         cu = self.cu = cuda_vmm.driver()
-        self.geometry, self.device = geometry, device
+        self.geometry, self.device, self.headroom = geometry, device, headroom
         self.prop = cuda_vmm.allocation_prop(cu, device, exportable=False)
         size = 2 * geometry.half
         granule = cuda_vmm.granularity(cu, self.prop)
@@ -211,6 +217,14 @@ class _Reserved:
         cu, ranges = self.cu, self.geometry.ranges(*stripe)
         memory: list[Any] = []
         deadline, size = time.monotonic() + timeout, sum(length for _, length in ranges)
+        while self.headroom and torch.cuda.mem_get_info(self.device)[0] - size < self.headroom:
+            if time.monotonic() >= deadline:
+                free, total = torch.cuda.mem_get_info(self.device)
+                raise RuntimeError(f"the KV cache needs {_gb(size)} more of device memory, {_gb(self.headroom)} "
+                                   f"kept free besides, and {_gb(free)} of {_gb(total)} stayed free for "
+                                   f"{timeout:.0f} s")  # fmt: skip
+            waiting()
+            time.sleep(RETRY_S)
         try:
             for _, length in ranges:
                 memory.append(self._create(length, deadline, waiting, f"{_gb(size)} more", timeout))
