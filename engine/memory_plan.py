@@ -70,11 +70,12 @@ class DeviceMemory:
     context: int = CONTEXT_BYTES  # one engine's CUDA context
 
     @property
-    def unbudgeted(self) -> int:
-        """What the plan leaves of the device: a KV commit keeps at least this much free (kv_memory.py), so that
-        engines past the plan (a second draining one, after restarts in a row) wait for memory instead of taking
-        the margin every other engine's allocations need."""
-        return self.total - int(self.total * self.fraction)
+    def commit_headroom(self) -> int:
+        """What a KV commit leaves free (kv_memory.py): room for two engines' starts (the standbys, rebuilt side by
+        side) within what the plan leaves of the device. Engines past the plan (a second draining one, after
+        restarts in a row) then make a commit wait for memory instead of taking what every other engine's
+        allocations need."""
+        return min(self.total - int(self.total * self.fraction), 2 * self.engine_reserve)
 
     @property
     def engine_reserve(self) -> int:

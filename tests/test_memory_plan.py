@@ -57,6 +57,13 @@ def test_standbys_that_hold_no_kv_cache_leave_it_to_the_active_and_the_draining_
         device(kv_share=2, engines=4, reserved=True, free=GB // 2).kv_budget()
 
 
+def test_a_commit_leaves_room_for_two_engines_starts_within_what_the_plan_leaves() -> None:
+    # 2 engines' reserve (context 1 GB + working 1 GB each) = 4 GB, within the 14 GB past the 0.9 fraction...
+    assert device().commit_headroom == 4 * GB
+    # ...and never more than what the plan leaves: 0.98 of 140 GB leaves 2.8 GB.
+    assert device(fraction=0.98).commit_headroom == 140 * GB - int(140 * GB * 0.98)
+
+
 def test_nothing_left_for_the_kv_cache_is_refused_naming_the_setting() -> None:
     with pytest.raises(ValueError, match=r"gpu_memory_fraction=0\.1 of 140\.0 GB") as refused:
         device(fraction=0.1).kv_budget()

@@ -20,9 +20,9 @@ of the blocks that fill a mapping's granularity (``block_multiple``).
 
 The memory a commit needs may still be held by the engine this one replaces (a crashed one's until the driver
 has torn its context down, a draining one's until it exits): a commit waits for it, up to its timeout. It waits
-too while it would leave less than ``headroom`` free (the device's memory past gpu_memory_fraction): ten restarts
-1 s apart on the H200 left two engines draining beside the new one, whose background commit took the device's
-last bytes, and a step of the active engine failed for 16 MiB.
+too while it would leave less than ``headroom`` free (``DeviceMemory.commit_headroom``): ten restarts 1 s apart
+on the H200 left two engines draining beside the new one, whose background commit took the device's last bytes,
+and a step of the active engine failed for 16 MiB.
 
 On the CPU the kernel commits memory lazily anyway (an anonymous mapping holds nothing until written): a
 reserved cache is the same mapping, its stripes are only bookkeeping, and the same hand-over of blocks runs.

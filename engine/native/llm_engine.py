@@ -91,7 +91,7 @@ class LLMEngine(EngineThread[Sequence]):
             multiple = block_multiple(block_bytes, granularity(self.device, reserve))
             spec = KVCacheSpec.plan(shape, self.dtype, self.max_num_seqs, self.max_model_len,
                                     planned.kv_cache_bytes, config.block_size, multiple)  # fmt: skip
-            headroom = planned.device.unbudgeted if planned.device else 0
+            headroom = planned.device.commit_headroom if planned.device else 0
             self.kv = KVCache(shape, spec, self.dtype, self.device, reserve, multiple, headroom)
         self.memory = {**planned.describe(), "kv_cache_bytes": spec.total_bytes, "kv_tokens": spec.usable_tokens}
         log_event(log, "memory_plan", **{k: v for k, v in self.memory.items() if k != "device"},
