@@ -44,7 +44,9 @@ from common import cuda_vmm
 from common.events import log_event
 
 log = logging.getLogger("warmgate.engine.kv_memory")
-STRIPE_BYTES = 1 << 30  # one commit step: about 8 ms on the H200 at the probe's rate
+# The first stripe is all of FIRST_BYTES: one allocation per layer of keys and of values (a crash's activation runs
+# while the driver tears the dead engine down; 1 GiB stripes made it 128 allocations).
+STRIPE_BYTES = 2 << 30
 FIRST_BYTES = 2 << 30  # committed before the engine takes traffic: 16k tokens of Llama-3-8B
 # Past the first, stripes double up to this: each stripe is one allocation per layer of keys and of values, and the
 # driver frees thousands of them slowly when the engine dies (57 GB as 3,648 allocations: kill -9 to the exit 0.31 s
@@ -176,7 +178,7 @@ class _Reserved:
 
     The driver maps an allocation only whole, from its start (a mapping of part of one, or at an offset into it,
     is CUDA_ERROR_NOT_SUPPORTED on the H200). So the placeholder is two allocations, each mapped whole again and
-    again: one the size of a range of the first stripe (16 MiB for Llama-3-8B), along each range in such pieces,
+    again: one the size of a range of the first stripe (32 MiB for Llama-3-8B), along each range in such pieces,
     and one granule (2 MiB) for what is left at a range's end. One per granule (27k mappings for a 57 GB cache)
     took 1.0 s at start-up and made each commit's unmap slower."""
 
