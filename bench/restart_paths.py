@@ -245,8 +245,11 @@ def main() -> None:
             if rounds["restart storm"]:
                 rounds["restart storm"][-1]["failed_during"] = len(load.failures) - failed
             print("restart storm paths", [r["report"].get("path") for r in rounds["restart storm"]], flush=True)
-        result["around_kills"] = _around(load.requests, kills_began, [r["killed_at"] for r in rounds["kill"]],
-                                         kills_ended)  # fmt: skip
+        killed = [r["killed_at"] for r in rounds["kill"] + rounds["kill storm"]]
+        result["around_kills"] = _around(load.requests, kills_began, killed, kills_ended)
+        for row in rounds["kill"] + rounds["kill storm"]:  # the streams it cut: their first token after it
+            switched = (row.get("report") or {}).get("switched_at")
+            row["resumed_first_token_s"] = _resumed(load.requests, row["killed_at"], switched) if switched else None
         for i in range(args.forks):  # another config each time: no standby matches, the fork server starts one
             restart("fork", {"engine": {"default_max_tokens": 200 + i}})
         forks = _pid_of(f"fork-server --socket {root / 'run'}")
@@ -300,6 +303,10 @@ def main() -> None:
     if rounds["kill storm"]:
         paths = [r.get("report", {}).get("path") for r in rounds["kill storm"]]
         lines.append(f"\nkill storm ({args.kill_storm} kills {args.kill_storm_interval} s apart): paths {paths}")
+    resumed = [r.get("resumed_first_token_s") for r in rounds["kill"] + rounds["kill storm"]]
+    if resumed:
+        shown = ", ".join("-" if v is None else f"{v:.3f}" for v in resumed)
+        lines.append(f"\nkill to the first token of a stream in flight at it, per kill (s): {shown}")
     lines.append(f"\nstandby memory: {result['standby_memory']}")
     (args.out / "restart_paths.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -325,6 +332,15 @@ def _stats(values: list[float]) -> dict[str, Any]:
         return {"n": 0}
     return {"n": len(values), "p50_s": statistics.median(values), "min_s": min(values), "max_s": max(values),
             "values_s": values}  # fmt: skip
+
+
+def _resumed(requests: list[dict[str, Any]], killed: float, switched: float) -> float | None:
+    """From the kill to the first token that a stream in flight at it received from the engine that took over
+    (after the switch: tokens of the killed engine still on their way arrive after the kill too): what those
+    clients waited, beside the probe's (a new request, queued behind their re-prefill)."""
+    after = [next(t for t in r["tokens"] if t > switched) for r in requests
+             if r["start"] < killed < r.get("end", 0) and r["tokens"] and r["tokens"][-1] > switched]  # fmt: skip
+    return min(after) - killed if after else None
 
 
 def _around(requests: list[dict[str, Any]], began: float, kills: list[float], ended: float) -> dict[str, Any]:
