@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from common import cuda_vmm
 from engine.native.attention import StepBatch
 from engine.native.kv_cache import KVCache, slots_of
 from engine.native.model import Transformer
@@ -235,43 +234,29 @@ class ModelRunner:
     def capture_all(self, warm_up_each: bool = False) -> float:
         """Capture every graph now (largest first, sharing one memory pool); returns the seconds it took.
 
-        One eager step of each kind, at its smallest size, runs before the captures (lazy inits: the
-        capture stream's cuBLAS workspace, kernels loaded); the graphs are captured directly
-        (``warm_up_each`` warms every size up first). Measured on the H200 (Triton 3.6,
+        Only the first graph of each kind runs eagerly before its capture (lazy inits); the others are
+        captured directly (``warm_up_each`` warms every size up). Measured on the H200 (Triton 3.6,
         bench/graph_capture.py): Triton kernels compile and load inside a capture fine, and graphs
-        equal the eager steps exactly. On the fork path another engine keeps the GPU busy and this
-        one's device work waits for its time slices: the warm-ups at the largest size of each kind took
-        0.85-1.0 s there (0.07 s alone), so they run at the smallest. Captures begin without
-        torch.cuda.graph's synchronize and empty_cache before each; every graph is uploaded to the device
-        once captured (cuGraphUpload, not a first launch that runs it), so no request pays that.
+        equal the eager steps exactly. Every graph is launched once after all are captured (the
+        first launch uploads it to the device). Captures begin without torch.cuda.graph's synchronize and
+        empty_cache before each (the cached blocks it frees are allocated again by the next warm-up and
+        capture, and each free waits for the device, which another engine keeps busy on the fork path).
         """
         begin = time.perf_counter()
         keys = sorted([("mixed", t) for t in self.mixed_sizes] + [("decode", b) for b in self.decode_sizes],
                       key=lambda k: -k[1])  # fmt: skip
-        if not warm_up_each:
-            for key in (("mixed", self.mixed_sizes[0]), ("decode", self.decode_sizes[0])):
-                self._warm_up(key)
+        seen: set[str] = set()
         for key in keys:
-            self._capture(key, warm_up=warm_up_each)
+            self._capture(key, warm_up=warm_up_each or key[0] not in seen)
+            seen.add(key[0])
         torch.cuda.empty_cache()  # once: the warm-ups' blocks (a standby holds what its graphs need, no more)
         t = time.perf_counter()
         for key in keys:
-            self._upload_graph(key)
+            self._dummy_inputs(key)
+            self.graphs[key][0].replay()  # paid here, not by a request
         torch.cuda.synchronize()
         self.capture_parts["replay"] = time.perf_counter() - t
         return time.perf_counter() - begin
-
-    def _upload_graph(self, key: tuple[str, int]) -> None:
-        """Put the captured graph on the device, as its first launch would, without running it; a first launch
-        (on dummy inputs) where the driver's cuGraphUpload is not reachable."""
-        graph = self.graphs[key][0]
-        try:
-            cu = cuda_vmm.driver()
-            stream = cu.CUstream(torch.cuda.current_stream().cuda_stream)
-            cuda_vmm.check(cu.cuGraphUpload(cu.CUgraphExec(graph.raw_cuda_graph_exec()), stream))
-        except (ImportError, AttributeError, cuda_vmm.DriverError):
-            self._dummy_inputs(key)
-            graph.replay()
 
     def _dummy_inputs(self, key: tuple[str, int]) -> StepBatch:
         """Inputs for a graph's capture and first launch, written on the device in stream order: every
@@ -285,18 +270,6 @@ class ModelRunner:
         self.tables[:seqs].zero_()
         return self._batch(tokens, seqs, max_query_len)
 
-    def _warm_up(self, key: tuple[str, int]) -> None:
-        """One eager step of the graph's shape on the capture stream (lazy inits, its cuBLAS workspace), so that
-        captures record kernels only."""
-        t = time.perf_counter()
-        batch = self._dummy_inputs(key)
-        side = _side_stream(self.device)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._forward(batch).argmax(dim=-1)
-        torch.cuda.current_stream().wait_stream(side)
-        self.capture_parts["warmup"] = self.capture_parts.get("warmup", 0.0) + time.perf_counter() - t
-
     def _capture(self, key: tuple[str, int], warm_up: bool) -> None:
         batch = self._dummy_inputs(key)
 
@@ -304,10 +277,15 @@ class ModelRunner:
             logits = self._forward(batch)
             return logits, logits.argmax(dim=-1)
 
-        if warm_up:
-            self._warm_up(key)
         parts, t = self.capture_parts, time.perf_counter()
         side = _side_stream(self.device)
+        if warm_up:  # on the capture stream first (lazy inits, its cuBLAS workspace), so capture records kernels
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                run()
+            torch.cuda.current_stream().wait_stream(side)
+        parts["warmup"] = parts.get("warmup", 0.0) + time.perf_counter() - t
+        t = time.perf_counter()
         graph = torch.cuda.CUDAGraph()
         side.wait_stream(torch.cuda.current_stream())  # the dummy inputs, written in stream order
         with torch.cuda.stream(side):
