@@ -219,14 +219,6 @@ class _Reserved:
         cu, ranges = self.cu, self.geometry.ranges(*stripe)
         memory: list[Any] = []
         deadline, size = time.monotonic() + timeout, sum(length for _, length in ranges)
-        while self.headroom and torch.cuda.mem_get_info(self.device)[0] - size < self.headroom:
-            if time.monotonic() >= deadline:
-                free, total = torch.cuda.mem_get_info(self.device)
-                raise RuntimeError(f"the KV cache needs {_gb(size)} more of device memory, {_gb(self.headroom)} "
-                                   f"kept free besides, and {_gb(free)} of {_gb(total)} stayed free for "
-                                   f"{timeout:.0f} s")  # fmt: skip
-            waiting()
-            time.sleep(RETRY_S)
         try:
             for _, length in ranges:
                 memory.append(self._create(length, deadline, waiting, f"{_gb(size)} more", timeout))
@@ -254,21 +246,24 @@ class _Reserved:
             self.placeholders, self.held = [], self.held - self.piece
 
     def _create(self, size: int, deadline: float, waiting: Callable[[], None], need: str, timeout: float) -> Any:
-        """An allocation of ``size`` bytes, retried until ``deadline`` while the device lacks the memory."""
+        """An allocation of ``size`` bytes that leaves ``headroom`` free, retried until ``deadline`` while the device
+        lacks the memory."""
         cu = self.cu
         out_of_memory = int(cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY)
         while True:
-            try:
-                return cuda_vmm.check(cu.cuMemCreate(size, self.prop, 0))
-            except cuda_vmm.DriverError as exc:
-                if int(exc.code) != out_of_memory:
-                    raise
-                if time.monotonic() >= deadline:
-                    free, total = torch.cuda.mem_get_info(self.device)
-                    raise RuntimeError(f"the KV cache needs {need} of device memory and {_gb(free)} of "
-                                       f"{_gb(total)} stayed free for {timeout:.0f} s") from None  # fmt: skip
-                waiting()
-                time.sleep(RETRY_S)
+            if not self.headroom or torch.cuda.mem_get_info(self.device)[0] - size >= self.headroom:
+                try:
+                    return cuda_vmm.check(cu.cuMemCreate(size, self.prop, 0))
+                except cuda_vmm.DriverError as exc:
+                    if int(exc.code) != out_of_memory:
+                        raise
+            if time.monotonic() >= deadline:
+                free, total = torch.cuda.mem_get_info(self.device)
+                kept = f", {_gb(self.headroom)} kept free besides," if self.headroom else ""
+                raise RuntimeError(f"the KV cache needs {need} of device memory{kept} and {_gb(free)} of "
+                                   f"{_gb(total)} stayed free for {timeout:.0f} s")  # fmt: skip
+            waiting()
+            time.sleep(RETRY_S)
 
 
 def _lazy_zeros(nbytes: int) -> torch.Tensor:
