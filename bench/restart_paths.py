@@ -95,6 +95,37 @@ class Load:
                     self.requests.append(record)
 
 
+class LogKeeper:
+    """Copies the engines' logs out of the run dir while the run lasts (the gateway keeps only the newest 20)."""
+
+    def __init__(self, run_dir: Path, into: Path) -> None:
+        self.run_dir, self.into, self.stop = run_dir, into, threading.Event()
+        self.thread = threading.Thread(target=self._keep, daemon=True)
+        into.mkdir(parents=True, exist_ok=True)
+
+    def _keep(self) -> None:
+        sizes: dict[str, int] = {}
+        while not self.stop.wait(0.25):
+            for log in self.run_dir.glob("engine-*.log"):
+                try:
+                    size = log.stat().st_size
+                    if sizes.get(log.name) != size:
+                        (self.into / log.name).write_bytes(log.read_bytes())
+                        sizes[log.name] = size
+                except OSError:
+                    continue
+
+    def steps_after_activation(self, engine: int | None) -> list[dict[str, float]]:
+        """The engine's step_after_activation lines (engine/native/llm_engine.py): its first steps once promoted."""
+        rows = []
+        for log in self.into.glob(f"engine-*-{engine}.log"):
+            for line in log.read_text(errors="replace").splitlines():
+                if "event=step_after_activation" in line:
+                    fields = dict(f.split("=", 1) for f in line.split("event=", 1)[1].split()[1:] if "=" in f)
+                    rows.append({k: float(v) for k, v in fields.items()})
+        return rows
+
+
 def first_token_from_new_engine(url: str, admin: httpx.Client, old: int | None) -> float:
     """Once the active engine is not ``old``, a 1-token streamed completion: its first token's wall time."""
     wait(lambda: admin.get("/admin/status").json()["active"] not in (None, old), 600, "no new active engine",
@@ -157,6 +188,8 @@ def main() -> None:
                                 stderr=subprocess.STDOUT)  # fmt: skip
     result: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "date": time.strftime("%F %T")}
     load = Load(url, args.clients, args.vocab, args.output_len)
+    logs = LogKeeper(root / "run", root / "logs")
+    logs.thread.start()
     try:
         wait(lambda: proc.poll() is None and _ready(url), 900, "the gateway did not become ready")
         result["cold_start_s"] = time.perf_counter() - t0
@@ -265,11 +298,15 @@ def main() -> None:
                                  "failed_during": len(load.failures) - failed})  # fmt: skip
     finally:
         load.finish()
+        logs.stop.set()
+        logs.thread.join()
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
             proc.kill()
+    for row in rounds["kill"] + rounds["kill storm"]:
+        row["steps_after_activation"] = logs.steps_after_activation((row.get("report") or {}).get("engine"))
     result["rounds"] = rounds
     result["requests"], result["failures"] = len(load.requests), load.failures
     summary = {k: _stats([r["to_first_token_s"] for r in v]) for k, v in rounds.items() if k != "reload"}
@@ -307,6 +344,12 @@ def main() -> None:
     if resumed:
         shown = ", ".join("-" if v is None else f"{v:.3f}" for v in resumed)
         lines.append(f"\nkill to the first token of a stream in flight at it, per kill (s): {shown}")
+    for i, row in enumerate(rounds["kill"] + rounds["kill storm"]):
+        steps = "; ".join(f"{s['launched_ms']:.0f}-{s['read_ms']:.0f} ms: {s['tokens']:.0f} tokens "
+                          f"({s['prompt_tokens']:.0f} prompt, {s['seqs']:.0f} seqs), device {s['device_ms']:.1f} ms"
+                          for s in row["steps_after_activation"])  # fmt: skip
+        phases = {k: round(v, 3) for k, v in (row.get("report") or {}).get("phases", {}).items()}
+        lines.append(f"\nkill {i + 1}: {phases}; steps after the activation was asked for: {steps or '-'}")
     lines.append(f"\nstandby memory: {result['standby_memory']}")
     (args.out / "restart_paths.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

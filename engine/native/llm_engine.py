@@ -49,6 +49,7 @@ from engine.weights import LoadedWeights, WeightOrigin, WeightSource, weight_sou
 
 log = logging.getLogger("warmgate.engine")
 STATS_INTERVAL = 10.0  # seconds between engine_stats log lines
+TRACED_STEPS = 8  # steps after an activation logged one by one (step_after_activation: a promotion's first tokens)
 
 
 class LLMEngine(EngineThread[Sequence]):
@@ -256,7 +257,7 @@ class LLMEngine(EngineThread[Sequence]):
             activations, self._activations = self._activations, []
         memory, timeout = self.kv.memory, max(t for _, t in activations)
         beat = self._heartbeat.beat if self._heartbeat is not None else lambda _slot: None
-        seconds = 0.0
+        seconds, asked = 0.0, time.perf_counter()
         if not self._activated:
             reserved = not memory.committed
             try:
@@ -266,6 +267,7 @@ class LLMEngine(EngineThread[Sequence]):
                     done.set_exception(exc)
                 return
             self._activated = True
+            self.stats.trace(asked)
             if reserved:
                 self.scheduler.allocator.forget_cached()
                 self.scheduler.allocator.limit(memory.committed_blocks)
@@ -446,7 +448,14 @@ class StepStats:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.queried = self.hit = 0  # the allocator's prefix-cache counters at the last engine_stats line
+        self._activated_at: float | None = None  # the steps after it are logged one by one, TRACED_STEPS of them
+        self._traced: dict[float, tuple[int, int, int]] = {}  # launch time -> (tokens, prompt tokens, sequences)
+        self._traces_left = 0
         self._reset(time.perf_counter())
+
+    def trace(self, activated_at: float) -> None:
+        """Log the next TRACED_STEPS steps one by one (launch and end after ``activated_at``, device time, size)."""
+        self._activated_at, self._traces_left = activated_at, TRACED_STEPS
 
     def _reset(self, now: float) -> None:
         self.since = now
@@ -461,12 +470,17 @@ class StepStats:
     def step_begin(self, step: list[Any]) -> float:
         """A step is launched now (returned)."""
         self.steps += 1
+        prompt = 0
         for work in step:
             if work.samples:
                 self.generated += 1
             if work.start < len(work.seq.prompt):
-                self.prompt_tokens += min(work.count, len(work.seq.prompt) - work.start)
-        return time.perf_counter()
+                prompt += min(work.count, len(work.seq.prompt) - work.start)
+        self.prompt_tokens += prompt
+        began = time.perf_counter()
+        if self._traces_left > len(self._traced):
+            self._traced[began] = (sum(w.count for w in step), prompt, len(step))
+        return began
 
     def device_time(self, began: float, seconds: float, next_began: float | None) -> None:
         """The device's time on the step launched at ``began``, read once it is done; ``next_began``: when the step
@@ -475,6 +489,13 @@ class StepStats:
         if next_began is not None:
             self.span += next_began - began
             self.spanned_device += seconds
+        size = self._traced.pop(began, None)
+        if size is not None and self._activated_at is not None:
+            self._traces_left -= 1
+            since = self._activated_at
+            log_event(log, "step_after_activation", launched_ms=1e3 * (began - since),
+                      read_ms=1e3 * (time.perf_counter() - since), device_ms=1e3 * seconds, tokens=size[0],
+                      prompt_tokens=size[1], seqs=size[2])  # fmt: skip
 
     def step_done(self, took: float) -> None:
         """One turn of the engine thread (``_step``) took ``took`` seconds."""

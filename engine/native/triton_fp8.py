@@ -90,7 +90,7 @@ def fp8_block_gemm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, block_n: i
     tiles = n_programs * m_tiles
     part = x.new_empty(split_k * tiles * block_m * block_n if split_k > 1 else 1, dtype=torch.float32)
     _fp8_block_gemm[(n_programs, split_k, m_tiles)](
-        x, w, s, out, part, _tile_counters(x.device, tiles), m, np_, x.stride(0), w.stride(0), s.stride(0),
+        x, w, s, out, part, tile_counters(x.device, tiles), m, np_, x.stride(0), w.stride(0), s.stride(0),
         out.stride(0), SPLITS=split_k, K_PER_SPLIT=kp // split_k, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=BLOCK_K, num_warps=num_warps, num_stages=num_stages,
         USE_PDL=(pdl := pdl_enabled(x.device) and m <= SMALL_ROWS), launch_pdl=pdl,
@@ -101,10 +101,12 @@ def fp8_block_gemm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, block_n: i
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
-def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+def tile_counters(device: torch.device, tiles: int = 1) -> torch.Tensor:
     """Per-tile arrival counters for split-K, zero between calls (the last program re-arms them).
 
-    One buffer per device serves every GEMM: calls on one stream never overlap.
+    One buffer per device serves every GEMM: calls on one stream never overlap. Made before any CUDA graph is
+    captured (engine/native/model_runner.py): made inside a capture, its zeroing would be a node of that graph
+    only, done the first time that graph runs.
     """
     counters = _COUNTERS.get(device)
     if counters is None or counters.numel() < tiles:
