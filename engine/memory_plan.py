@@ -68,6 +68,7 @@ class DeviceMemory:
     engines: int  # engines on the device at once (standbys too)
     reserved: bool = False  # this engine's KV cache is committed when it is promoted, not allocated now
     context: int = CONTEXT_BYTES  # one engine's CUDA context
+    kv_first: int = 0  # a reserved KV cache's first stripe, held from the start (kv_memory.py): standbys hold it too
 
     @property
     def commit_headroom(self) -> int:
@@ -79,8 +80,9 @@ class DeviceMemory:
 
     @property
     def engine_reserve(self) -> int:
-        """One engine's memory besides its KV cache and the weights."""
-        return self.context + self.working
+        """One engine's memory besides its KV cache and the weights (a reserved cache's first stripe counted here:
+        a standby holds it too)."""
+        return self.context + self.working + self.kv_first
 
     def kv_budget(self) -> int:
         """One engine's KV cache: its share of the plan, or what is free if something else took memory the plan

@@ -11,10 +11,13 @@ the mechanism on the H200: 2 MiB held for a reserved 8 GB cache, 68 ms to map 8 
 captured before the remap replay correctly after it.
 
 At that rate a cache planned from the device (tens of GB) would take hundreds of milliseconds to map, on the
-path of a crash's first token. So the cache is committed in stripes of blocks: the first ones (``FIRST_BYTES``,
-in stripes of ``STRIPE_BYTES``) before the engine takes traffic, the rest in the background while it serves, in
-stripes twice as large each time up to ``MAX_STRIPE_BYTES``, each stripe's blocks handed to the scheduler once
-mapped and zeroed. A stripe of blocks is one range per layer of
+path of a crash's first token. So the cache is committed in stripes of blocks: the first (``FIRST_BYTES``, a full
+step's worth of positions) when the cache is made, the rest once the engine is activated, in the background while
+it serves, in stripes of ``STRIPE_BYTES`` then twice as large each time up to ``MAX_STRIPE_BYTES``, each stripe's
+blocks handed to the scheduler once mapped and zeroed. A standby thus holds its first stripe (256 MiB for
+Llama-3-8B) and its activation maps nothing: after a kill -9 on the H200 the driver tears the dead engine down for
+~0.1 s, and an activation that mapped the first 2 GiB then took 63-105 ms (13-24 ms otherwise); the first steps
+now run on the first stripe while the next is mapped. A stripe of blocks is one range per layer of
 keys and of values (the layout is [layers, slots, heads, dim]), so block counts and stripe bounds are multiples
 of the blocks that fill a mapping's granularity (``block_multiple``).
 
@@ -44,15 +47,14 @@ from common import cuda_vmm
 from common.events import log_event
 
 log = logging.getLogger("warmgate.engine.kv_memory")
-# The first stripe is all of FIRST_BYTES: one allocation per layer of keys and of values (a crash's activation runs
-# while the driver tears the dead engine down; 1 GiB stripes made it 128 allocations).
-STRIPE_BYTES = 2 << 30
-FIRST_BYTES = 2 << 30  # committed before the engine takes traffic: 16k tokens of Llama-3-8B
+FIRST_BYTES = 256 << 20  # committed with the reservation: 2,048 positions of Llama-3-8B, one step's budget
+STRIPE_BYTES = 2 << 30  # the second stripe, committed first once activated: 16k positions of Llama-3-8B
 # Past the first, stripes double up to this: each stripe is one allocation per layer of keys and of values, and the
 # driver frees thousands of them slowly when the engine dies (57 GB as 3,648 allocations: kill -9 to the exit 0.31 s
 # on the H200; as 64: 0.15 s; .diag/exit_probe.py in the issue note), which a crash's replacement waits for.
 MAX_STRIPE_BYTES = 8 << 30
 RETRY_S = 0.02  # between attempts of a commit waiting for memory
+COMMIT_AT_START_S = 60.0  # how long the first stripe waits for memory when the cache is made
 
 
 @dataclass(frozen=True)
@@ -74,24 +76,24 @@ class KVGeometry:
         return [(part + i * layer + first * self.block_bytes, size) for part in (0, self.half)
                 for i in range(self.layers)]  # fmt: skip
 
-    def stripes(self, stripe_bytes: int, multiple: int, first_bytes: int = 0,
+    def stripes(self, stripe_bytes: int, multiple: int, first_bytes: int | None = None,
                 max_bytes: int | None = None) -> list[tuple[int, int]]:  # fmt: skip
-        """Block ranges committed one at a time, beginning at multiples of ``multiple``: of about ``stripe_bytes``
-        until ``first_bytes`` are covered, then each twice the one before, up to ``max_bytes`` (default: all of
-        ``stripe_bytes``)."""
+        """Block ranges committed one at a time, beginning at multiples of ``multiple``: the first of about
+        ``first_bytes`` (default: ``stripe_bytes``), the next of about ``stripe_bytes``, then each twice the one
+        before, up to ``max_bytes`` (default: all of ``stripe_bytes``)."""
         per_block = 2 * self.layers * self.block_bytes
 
         def blocks_of(n: int) -> int:
             return max(multiple, n // per_block // multiple * multiple)
 
-        step, cap = blocks_of(stripe_bytes), blocks_of(max_bytes or stripe_bytes)
+        step, after = blocks_of(stripe_bytes if first_bytes is None else first_bytes), blocks_of(stripe_bytes)
+        cap = blocks_of(max_bytes or stripe_bytes)
         stripes: list[tuple[int, int]] = []
         first = 0
         while first < self.blocks:
             stripes.append((first, min(first + step, self.blocks)))
             first = stripes[-1][1]
-            if first * per_block >= first_bytes:
-                step = min(2 * step, max(cap, step))
+            step, after = after, min(2 * after, max(cap, after))
         return stripes
 
 
@@ -129,6 +131,8 @@ class KVMemory:
             self.buffer = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
         else:
             self.buffer = _lazy_zeros(self.nbytes)
+        if reserve:
+            self.commit_next(COMMIT_AT_START_S)  # the first stripe: an activation then maps nothing
 
     @property
     def committed(self) -> bool:
@@ -146,9 +150,9 @@ class KVMemory:
         return 0 if self._cuda is None else self._cuda.held
 
     def commit_first(self, timeout: float, waiting: Callable[[], None] = lambda: None) -> float:
-        """Commit the stripes an engine starts serving with (``FIRST_BYTES``); the seconds it took."""
-        per_block = 2 * self.geometry.layers * self.geometry.block_bytes
-        return self.commit_until(max(1, FIRST_BYTES // per_block), timeout, waiting)
+        """Commit the stripe an engine starts serving with (made with the cache: nothing left to do); the seconds it
+        took."""
+        return self.commit_until(self.stripes[0][1], timeout, waiting)
 
     def commit_until(self, blocks: int, timeout: float, waiting: Callable[[], None] = lambda: None) -> float:
         """Commit stripes until blocks 0..``blocks``-1 are (or every stripe is); the seconds it took. Raises
@@ -178,9 +182,9 @@ class _Reserved:
 
     The driver maps an allocation only whole, from its start (a mapping of part of one, or at an offset into it,
     is CUDA_ERROR_NOT_SUPPORTED on the H200). So the placeholder is two allocations, each mapped whole again and
-    again: one the size of a range of the first stripe (32 MiB for Llama-3-8B), along each range in such pieces,
-    and one granule (2 MiB) for what is left at a range's end. One per granule (27k mappings for a 57 GB cache)
-    took 1.0 s at start-up and made each commit's unmap slower."""
+    again: one the size of a range of the second stripe (32 MiB for Llama-3-8B), along each range in such pieces,
+    and one granule (2 MiB) for what is left at a range's end (and the small first stripe's ranges). One per
+    granule (27k mappings for a 57 GB cache) took 1.0 s at start-up and made each commit's unmap slower."""
 
     def __init__(self, geometry: KVGeometry, stripes: list[tuple[int, int]], device: torch.device,
                  headroom: int) -> None:  # fmt: skip
@@ -189,8 +193,7 @@ class _Reserved:
         self.prop = cuda_vmm.allocation_prop(cu, device, exportable=False)
         size = 2 * geometry.half
         granule = cuda_vmm.granularity(cu, self.prop)
-        first, end = stripes[0]
-        piece = (end - first) * geometry.block_bytes
+        piece = max(end - first for first, end in stripes[:2]) * geometry.block_bytes  # a range of the 2nd stripe
         self.ptr = int(cuda_vmm.check(cu.cuMemAddressReserve(size, 0, 0, 0)))
         self.placeholders: list[Any] = [cuda_vmm.check(cu.cuMemCreate(n, self.prop, 0)) for n in (piece, granule)]
         once: dict[int, int] = {}  # placeholder size -> where it is first mapped
@@ -207,6 +210,7 @@ class _Reserved:
         for n, at in once.items():  # each placeholder zeroed once, at one of its mappings: it reads zeros everywhere
             self.buffer[at - self.ptr : at - self.ptr + n].zero_()
         self.handles: list[Any] = []  # the stripes' allocations
+        self.commits = 0  # stripes committed
         self.piece = piece + granule
         self.held = self.piece  # device bytes held: the placeholders, then the committed stripes
         self.stream = torch.cuda.Stream(device)  # zeroing, beside the engine's steps
@@ -220,14 +224,15 @@ class _Reserved:
         memory: list[Any] = []
         deadline, size = time.monotonic() + timeout, sum(length for _, length in ranges)
         try:
-            for _, length in ranges:
-                memory.append(self._create(length, deadline, waiting, f"{_gb(size)} more", timeout))
+            for _, length in ranges:  # the headroom checked once, for the whole stripe; not for the first, made
+                room = 0 if memory or not self.commits else size  # with the reservation (a start, as its graphs)
+                memory.append(self._create(length, room, deadline, waiting, f"{_gb(size)} more", timeout))
         except BaseException:
             for handle in memory:
                 cu.cuMemRelease(handle)
             raise
-        if not self.handles:  # the first: what ran on the placeholder (warm-up, probe) must be done
-            torch.cuda.synchronize(self.device)
+        if self.commits == 1:  # the first after the one with the reservation: what ran on the placeholder (the
+            torch.cuda.synchronize(self.device)  # warm-ups, the supervisor's probe) must be done
         # Nothing reads or writes these ranges now: their blocks are handed out only once committed. One unmap
         # takes a range's placeholder mappings, all of them (as ../shared/probes/kv_remap_probe.py did).
         for (offset, length), handle in zip(ranges, memory, strict=True):
@@ -240,18 +245,20 @@ class _Reserved:
         self.stream.synchronize()
         self.handles += memory
         self.held += size
+        self.commits += 1
         if stripe[1] == self.geometry.blocks:  # the last: no placeholder mapping is left
             for handle in self.placeholders:
                 cuda_vmm.check(cu.cuMemRelease(handle))
             self.placeholders, self.held = [], self.held - self.piece
 
-    def _create(self, size: int, deadline: float, waiting: Callable[[], None], need: str, timeout: float) -> Any:
-        """An allocation of ``size`` bytes that leaves ``headroom`` free, retried until ``deadline`` while the device
-        lacks the memory."""
+    def _create(self, size: int, room: int, deadline: float, waiting: Callable[[], None], need: str,
+                timeout: float) -> Any:  # fmt: skip
+        """An allocation of ``size`` bytes, made once ``room`` bytes would leave ``headroom`` free, retried until
+        ``deadline`` while the device lacks the memory."""
         cu = self.cu
         out_of_memory = int(cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY)
         while True:
-            if not self.headroom or torch.cuda.mem_get_info(self.device)[0] - size >= self.headroom:
+            if not self.headroom or not room or torch.cuda.mem_get_info(self.device)[0] - room >= self.headroom:
                 try:
                     return cuda_vmm.check(cu.cuMemCreate(size, self.prop, 0))
                 except cuda_vmm.DriverError as exc:

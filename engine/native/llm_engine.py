@@ -37,7 +37,7 @@ from engine.grammar import GrammarState, TokenMasks
 from engine.memory_plan import DeviceMemory, MemoryPlan, default_max_num_seqs, working_bytes
 from engine.memory_plan import plan as plan_memory
 from engine.native.kv_cache import BlockAllocator, KVCache, KVCacheSpec, kv_block_bytes, kv_bytes_per_token
-from engine.native.kv_memory import block_multiple, granularity
+from engine.native.kv_memory import FIRST_BYTES, block_multiple, granularity
 from engine.native.model import ModelArgs, Transformer
 from engine.native.model_runner import ModelRunner, StepOutput
 from engine.native.sampler import Drawn, draw, prompt_logprobs, skip_draws
@@ -124,8 +124,8 @@ class LLMEngine(EngineThread[Sequence]):
             device = DeviceMemory(total=total, free=free, fraction=config.gpu_memory_fraction, weights=weights,
                                   shared_weights=loaded.source == "ipc",
                                   working=working_bytes(shape, config.max_num_batched_tokens, seqs),
-                                  kv_share=config.kv_share, engines=config.engines,
-                                  reserved=config.reserve_kv)  # fmt: skip
+                                  kv_share=config.kv_share, engines=config.engines, reserved=config.reserve_kv,
+                                  kv_first=FIRST_BYTES if config.reserve_kv else 0)  # fmt: skip
         per_token = kv_bytes_per_token(shape, self.dtype)
         return plan_memory(self.args.max_position_embeddings, per_token, self.device.type, config.max_num_seqs,
                            config.max_model_len, config.kv_cache_bytes, device)  # fmt: skip
