@@ -7,7 +7,8 @@ C clients stream completions back to back the whole time (distinct ~160-token pr
 *to first token*: from the restart request (or the kill -9) to the first token of a request served
 by the new engine: a watcher polls /admin/status every 5 ms and, the moment the active engine is
 the new one, sends a streamed 1-token completion; the time of its first token counts. Standby
-restarts wait for a new standby between rounds. Failed requests are counted per round. Writes
+and fork restarts wait for the standbys between rounds (a fork round's start then has the device to itself and
+the active engine under load, as a config change in the steady state). Failed requests are counted per round. Writes
 restart_paths.json and restart_paths.md.
 
 Back to back (issue 24): ``--kill-storm N`` kills the active engine N times ``--kill-storm-interval`` s apart,
@@ -284,6 +285,9 @@ def main() -> None:
             switched = (row.get("report") or {}).get("switched_at")
             row["resumed_first_token_s"] = _resumed(load.requests, row["killed_at"], switched) if switched else None
         for i in range(args.forks):  # another config each time: no standby matches, the fork server starts one
+            # In the steady state a config change meets (the standbys built, nothing starting beside it); back to back,
+            # each round's start shared the device with the builds of the one before (stopped when it begins).
+            wait(lambda: len(status()["standbys"]) >= standbys, 600, "no standbys before a fork round")
             restart("fork", {"engine": {"default_max_tokens": 200 + i}})
         forks = _pid_of(f"fork-server --socket {root / 'run'}")
         if forks:
