@@ -94,9 +94,7 @@ def test_cuda_graph_decode_equals_eager(tmp_path: Path) -> None:
 
 def test_mixed_steps_above_the_largest_graph_run_eagerly_and_equal_a_graphless_engine(tmp_path: Path) -> None:
     """Mixed steps of more than MAX_MIXED_GRAPH_TOKENS tokens have no graph: a 1,500-token prompt's step runs
-    eagerly beside graphed decode steps, with the same tokens as an engine without graphs. Told it is a standby, the
-    engine runs its eager step sizes once while it waits (before that, the same tokens too)."""
-    from common.heartbeat import Heartbeat
+    eagerly beside graphed decode steps, with the same tokens as an engine without graphs."""
     from engine.config import EngineConfig
     from engine.native.llm_engine import LLMEngine
     from engine.native.model_runner import MAX_MIXED_GRAPH_TOKENS
@@ -109,18 +107,6 @@ def test_mixed_steps_above_the_largest_graph_run_eagerly_and_equal_a_graphless_e
     graphed = LLMEngine(EngineConfig(model=path, device="cuda", kv_cache_bytes=KV_BYTES, **configs))
     assert max(graphed.runner.mixed_sizes) == MAX_MIXED_GRAPH_TOKENS
     assert ("mixed", 2048) not in graphed.runner.graphs
-    assert graphed.runner.eager_sizes() == [2048, 2047]
-    Heartbeat.create(tmp_path / "beat").close()
-    beat = Heartbeat(tmp_path / "beat")
-    graphed.start(beat)
-    time.sleep(0.5)
-    assert not graphed._eager_warmed  # only a standby does it
-    beat.tell_state("standby")
-    deadline = time.monotonic() + 60
-    while not graphed._eager_warmed and time.monotonic() < deadline:
-        time.sleep(0.05)
-    graphed.stop()
-    assert graphed._eager_warmed
     a = graphed.generate(prompts, params)
     eager = LLMEngine(EngineConfig(model=path, device="cuda", kv_cache_bytes=KV_BYTES, cuda_graphs=False, **configs))
     assert a == eager.generate(prompts, params)

@@ -67,7 +67,6 @@ class LLMEngine(EngineThread[Sequence]):
         self._activations: list[tuple[Future[float], float]] = []  # asked for (activate), with their timeouts
         self._activated = False  # the KV cache's first stripes are committed
         self._grown: list[tuple[int, int]] = []  # blocks committed since in the background, not handed out yet
-        self._eager_warmed = False  # the steps above the largest graph ran once (a standby's wait, _work)
         with self._phase("device_init"):
             self.device = resolve_device(config.device)
             if self.device.type == "cuda":
@@ -230,24 +229,12 @@ class LLMEngine(EngineThread[Sequence]):
         return not (self.scheduler.idle and self._launched is None and self._drawn is None)
 
     def _idle(self) -> bool:
-        return not self._stepping() and not self._activations and not self._grown and not self._eager_warm_up_due()
-
-    def _eager_warm_up_due(self) -> bool:
-        """A standby (the supervisor says so through the heartbeat file) whose eager steps never ran: it runs them
-        while it waits. After a crash a promoted standby's first steps are the resumed streams' re-prefill, steps
-        above the largest mixed graph; on the H200 the first of each shape took 35-70 ms of host time (kernels
-        loaded, Triton's variants for sizes that are not a multiple of 16) against a second one's 16-28 ms."""
-        return (not self._eager_warmed and not self._activated and self._heartbeat is not None
-                and self.runner.eager_sizes() != [] and self._heartbeat.state() == "standby")  # fmt: skip
+        return not self._stepping() and not self._activations and not self._grown
 
     def _steps_on(self) -> bool:
         return self._stepping()  # and _step hands the events over, at the latest before it returns
 
     def _work(self, pending: list[Sequence]) -> None:
-        if self._eager_warm_up_due() and not self._stepping() and not self._activations:
-            seconds = self.runner.warm_up_eager()
-            self._eager_warmed = True
-            log_event(log, "eager_warm_up", sizes=self.runner.eager_sizes(), seconds=seconds)
         if self._grown:
             with self._wake:
                 grown, self._grown = self._grown, []

@@ -275,24 +275,6 @@ class ModelRunner:
             self._dummy_inputs(key)
             graph.replay()
 
-    def eager_sizes(self) -> list[int]:
-        """Sizes of an eager step to warm up: the budget, and one less (Triton specializes a kernel on whether its
-        integer arguments are multiples of 16), when steps above the largest mixed graph can happen."""
-        if not self.use_graphs or self.max_tokens <= self.mixed_sizes[-1]:
-            return []
-        return [self.max_tokens, self.max_tokens - 1]
-
-    @torch.inference_mode()
-    def warm_up_eager(self) -> float:
-        """Run an eager step of each of ``eager_sizes`` once, on the stream steps run on; returns the seconds. What
-        they cached is given back (a standby holds what its graphs need, no more)."""
-        t = time.perf_counter()
-        for size in self.eager_sizes():
-            self._forward(self._dummy_inputs(("mixed", size))).argmax(dim=-1)
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        return time.perf_counter() - t
-
     def _dummy_inputs(self, key: tuple[str, int]) -> StepBatch:
         """Inputs for a graph's capture and first launch, written on the device in stream order: every
         row a query of one empty-context sequence in the null block."""
