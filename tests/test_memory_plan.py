@@ -55,6 +55,10 @@ def test_standbys_that_hold_no_kv_cache_leave_it_to_the_active_and_the_draining_
     assert device(kv_share=2, engines=4, free=10 * GB).kv_budget() == 9 * GB
     with pytest.raises(ValueError, match="free"):
         device(kv_share=2, engines=4, reserved=True, free=GB // 2).kv_budget()
+    # A reserved cache's first stripe is mapped from the start (kv_memory.py): every engine holds it, standbys too,
+    # so it counts in each engine's reserve: 4 x 0.25 GB less for the 2 KV caches.
+    first = device(kv_share=2, engines=4, reserved=True, kv_first=GB // 4)
+    assert first.engine_reserve == 2 * GB + GB // 4 and first.kv_budget() == (109 * GB - GB) // 2
 
 
 def test_a_commit_leaves_room_for_two_engines_starts_within_what_the_plan_leaves() -> None:
