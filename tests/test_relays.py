@@ -186,11 +186,17 @@ async def test_the_relays_together_hold_no_more_than_the_engines_capacity(tmp_pa
         await gateway.relays.stop()
 
 
-async def test_relays_that_drain_lose_no_request_of_clients_that_keep_their_connections(tmp_path: Path) -> None:
+@pytest.mark.parametrize("step_ms", [0, 25])
+async def test_relays_that_drain_lose_no_request_of_clients_that_keep_their_connections(
+    tmp_path: Path, step_ms: float
+) -> None:
     """Clients in tight loops on keep-alive connections (as an OpenAI client in a loop) while each relay in turn
     is told to stop (SIGTERM: its drain, as an upgrade does) and is started again: every request is answered.
-    A relay that closed its idle connections at once reset the next request of a client that was sending it."""
-    stub = Stub(tmp_path, "fast", step_ms=0)
+    A relay that closed its idle connections at once reset the next request of a client that was sending it; one
+    that closed a connection after an answer already streaming when the drain began (whose headers could no longer
+    say ``connection: close``) reset the request the client sent next on it (``step_ms`` 25: most answers are
+    streaming when a drain begins)."""
+    stub = Stub(tmp_path, "fast", step_ms=step_ms)
     await stub.ready()
     gateway = Gateway(tmp_path, resumes=0)
     await gateway.relays.start(gateway.table(EngineRoute(id=1, socket=str(stub.socket), capacity=64)))
@@ -200,7 +206,7 @@ async def test_relays_that_drain_lose_no_request_of_clients_that_keep_their_conn
     async def client(index: int) -> None:
         async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
             while not stopping.is_set():
-                body = {"prompt": "hi", "max_tokens": 2, "stream": index % 2 == 0}
+                body = {"prompt": "hi", "max_tokens": 2 if step_ms == 0 else 4, "stream": index % 2 == 0}
                 try:
                     outcomes.append((await http.post("/v1/completions", json=body)).status_code)
                 except httpx.HTTPError as exc:
@@ -226,4 +232,4 @@ async def test_relays_that_drain_lose_no_request_of_clients_that_keep_their_conn
         await gateway.relays.stop()
         stub.stop()
     failed = [o for o in outcomes if o != 200]
-    assert not failed and len(outcomes) > 300, (len(outcomes), failed[:5])
+    assert not failed and len(outcomes) >= 200, (len(outcomes), failed[:5])

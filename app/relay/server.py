@@ -9,10 +9,12 @@ relay, as Envoy's drain does, announces it:
 
 * a request that arrives on a connection after the drain began is served as usual, and its answer carries
   ``connection: close`` (the client opens its next connection on the shared socket, where a live relay
-  accepts it); a request in flight when the drain begins ends its connection after its answer (uvicorn);
-* a connection idle when the drain begins is closed once it has been idle for ``DRAIN_IDLE_S``: a client
-  sending a request meanwhile gets it answered, as above. Only a client that sends at that very moment can
-  still meet a closed connection: the race every keep-alive timeout has.
+  accepts it); so does the answer to a request in flight when the drain begins, if its headers are not sent yet;
+* a connection idle when the drain begins, or whose answer was already streaming then (its headers went out
+  without ``connection: close``: closing it after the answer would reset the request a client sends next on it,
+  the fault suite's upgrade under load lost one so), is closed once it has been idle for ``DRAIN_IDLE_S``: a
+  client sending a request meanwhile gets it answered, as above. Only a client that sends at that very moment
+  can still meet a closed connection: the race every keep-alive timeout has.
 """
 
 from __future__ import annotations
@@ -35,11 +37,21 @@ class DrainingProtocol(HttpToolsProtocol):
 
     def shutdown(self) -> None:
         self.draining = True
-        if self.cycle is None or self.cycle.response_complete:  # idle: closed if it stays so (keep-alive timer)
-            self._unset_keepalive_if_required()
-            self.timeout_keep_alive_task = self.loop.call_later(DRAIN_IDLE_S, self.timeout_keep_alive_handler)
-        else:  # an answer in flight: the connection ends after it
+        if self.cycle is None or self.cycle.response_complete:
+            self._close_when_idle()
+        elif not self.cycle.response_started:  # its answer says connection: close, and the connection ends after it
             self.cycle.keep_alive = False
+        # else an answer streaming without that header: the connection is closed once idle after it
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.draining and not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
+            self._close_when_idle()
+
+    def _close_when_idle(self) -> None:
+        """Closed if it stays idle DRAIN_IDLE_S (the keep-alive timer, shortened; a request cancels it)."""
+        self._unset_keepalive_if_required()
+        self.timeout_keep_alive_task = self.loop.call_later(DRAIN_IDLE_S, self.timeout_keep_alive_handler)
 
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
