@@ -34,6 +34,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench.serve_load import thread_cpu
 
 DEVICE_IDLE = re.compile(r"device_idle=([\d.]+)")  # the engine's own figure, in its engine_stats lines
 GAPS_FILE = ".gpu.json"  # beside the engine's socket: the stand-in GPU's steps, busy and idle seconds
@@ -106,16 +107,6 @@ def worker(socket_path: str, config: str, step_ms: float, profile: Path | None) 
         runner.run = run
 
     llm_engine.LLMEngine.__init__ = init
-    start = llm_engine.LLMEngine.start
-
-    def named_start(self: Any, *args: Any, **kwargs: Any) -> None:
-        start(self, *args, **kwargs)
-        import ctypes
-
-        libc = ctypes.CDLL(None)  # the OS name of the engine thread, for /proc (Python's names stay in Python)
-        libc.pthread_setname_np(ctypes.c_ulong(self._thread.ident), b"wg-engine")
-
-    llm_engine.LLMEngine.start = named_start
     if profile is None:
         engine_worker.main(socket_path, config)
         return
@@ -142,22 +133,6 @@ def worker(socket_path: str, config: str, step_ms: float, profile: Path | None) 
     finally:
         profiler.disable()
         profiler.dump_stats(str(profile))
-
-
-def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds per thread name of ``pid``."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    out: dict[str, float] = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            name = (task / "comm").read_text().strip()
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        seconds = (int(fields[11]) + int(fields[12])) / ticks
-        key = "engine" if name == "wg-engine" else "loop" if int(task.name) == pid else "other"
-        out[key] = out.get(key, 0.0) + seconds
-    return out
 
 
 async def load(socket_path: str, streams: int, seconds: float, max_tokens: int, extra: dict[str, Any],
@@ -232,12 +207,12 @@ def main() -> None:
             time.sleep(0.1)
         extra = {"logprobs": args.logprobs} if args.logprobs is not None else {}
         asyncio.run(load(socket_path, args.streams, 2.0, args.max_tokens, extra))  # warm: every stream once
-        before, client = thread_cpu(proc.pid), time.process_time()
+        before, client = thread_cpu(proc.pid) or {}, time.process_time()
         gpu_before = json.loads(Path(socket_path + GAPS_FILE).read_text())
         log_offset = (tmp / "worker.log").stat().st_size
         ttfts: list[float] = []
         tokens, wall = asyncio.run(load(socket_path, args.streams, args.seconds, args.max_tokens, extra, ttfts))
-        after, client = thread_cpu(proc.pid), time.process_time() - client
+        after, client = thread_cpu(proc.pid) or {}, time.process_time() - client
         gpu_after = json.loads(Path(socket_path + GAPS_FILE).read_text())
         stats_lines = [line for line in (tmp / "worker.log").read_text()[log_offset:].splitlines()
                        if "event=engine_stats" in line]  # fmt: skip

@@ -70,6 +70,9 @@ from typing import Any
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from common.proctitle import ENGINE_THREAD_NAME
+
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 EVENT = re.compile(rb"\bevent=([A-Za-z_][\w.]*)")
 FIELD = re.compile(rb"\b(\w+)=([^\s\"]+)")
@@ -524,6 +527,25 @@ def cpu_seconds(pid: int | None) -> float | None:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime: fields 14 and 15
 
 
+def thread_cpu(pid: int | None) -> dict[str, float] | None:
+    """CPU seconds of a live engine process's threads: its engine thread (the step loop), its main thread (the
+    HTTP loop) and the rest (torch's, the grammar masks' pool, ...); None if it is gone."""
+    out = {"engine": 0.0, "loop": 0.0, "other": 0.0}
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir()) if pid is not None else []
+    except OSError:
+        return None
+    for task in tasks:
+        try:
+            name = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended
+            continue
+        key = "engine" if name == ENGINE_THREAD_NAME else "loop" if int(task.name) == pid else "other"
+        out[key] += (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return out if tasks else None
+
+
 class Admin:
     """GET /admin/status with the admin token, when there is one."""
 
@@ -568,25 +590,33 @@ def watched_pids(status: dict[str, Any] | None, serve_pid: int | None, gateway_p
     elif gateway_pid or serve_pid:
         kind = "single-process"  # a gateway without relays: the `warmgate serve` process does everything
         groups["gateway"]["warmgate-serve"] = int(gateway_pid or serve_pid)
+    active = None
     if engine := active_engine(status):
-        groups["engine"][f"engine-{engine.get('id')}"] = int(engine["pid"])
+        groups["engine"][f"engine-{engine.get('id')}"] = active = int(engine["pid"])
     for engine in (status or {}).get("engines") or []:
         if engine.get("pid") and engine is not active_engine(status):
             groups["engine"][f"engine-{engine.get('id')}-{engine.get('state')}"] = int(engine["pid"])
     if (cache := (status or {}).get("cache") or {}).get("pid"):
         groups["cache"]["cache"] = int(cache["pid"])
-    return {"gateway_kind": kind, "groups": groups}
+    return {"gateway_kind": kind, "groups": groups, "active_engine": active}
 
 
-def cpu_snapshot(pids: dict[str, Any]) -> dict[str, dict[str, float | None]]:
-    return {g: {label: cpu_seconds(pid) for label, pid in members.items()} for g, members in pids["groups"].items()}
+def cpu_snapshot(pids: dict[str, Any]) -> dict[str, Any]:
+    snapshot: dict[str, Any] = {g: {label: cpu_seconds(pid) for label, pid in members.items()}
+                                for g, members in pids["groups"].items()}  # fmt: skip
+    snapshot["engine_threads"] = thread_cpu(pids.get("active_engine"))
+    return snapshot
 
 
-def cpu_usage(pids: dict[str, Any], before: dict[str, dict[str, float | None]], wall: float,
-              tokens: int) -> dict[str, Any]:  # fmt: skip
-    """CPU seconds per group over the window, cores (cpu / wall), µs per output token; gone processes named."""
+def cpu_usage(pids: dict[str, Any], before: dict[str, Any], wall: float, tokens: int) -> dict[str, Any]:
+    """CPU seconds per group over the window, cores (cpu / wall), µs per output token; gone processes named. The
+    active engine's also by thread (``engine_threads_us_per_token``: its step loop, HTTP loop and the rest)."""
     after = cpu_snapshot(pids)
     out: dict[str, Any] = {"gateway_kind": pids["gateway_kind"], "wall_s": wall, "output_tokens": tokens, "groups": {}}
+    threads_before, threads_after = before.get("engine_threads"), after.get("engine_threads")
+    if threads_before is not None and threads_after is not None and tokens:
+        out["engine_threads_us_per_token"] = {k: 1e6 * (threads_after[k] - threads_before[k]) / tokens
+                                              for k in threads_after}  # fmt: skip
     for group, members in pids["groups"].items():
         if not members:
             continue
@@ -923,7 +953,8 @@ class Bench:
         say(f"  {stats['errors']}/{stats['requests']} failed, {stats['output_tok_s']:.1f} output tok/s, "
             f"TTFT p50 {ttft:.1f} ms, TPOT p50 {tpot:.1f} ms, crash restarts {record['crash_restarts']}, "
             f"engine_hung {totals.get('engine_hung', 0)}, gateway ({cpu['gateway_kind']}) "
-            f"{fmt(gw.get('us_per_token'))} µs/tok, engine {fmt(g.get('engine', {}).get('us_per_token'))} µs/tok, "
+            f"{fmt(gw.get('us_per_token'))} µs/tok, engine {fmt(g.get('engine', {}).get('us_per_token'))} µs/tok "
+            f"(step loop {fmt((cpu.get('engine_threads_us_per_token') or {}).get('engine'))}), "
             f"client max {fmt(client.get('max_proc_cpu_fraction'), '.2f')} core, "
             f"device idle {fmt((record['engine_steps'] or {}).get('device_idle'), '.3f')}"
             + (" (truncated at the deadline)" if record["truncated"] else ""))  # fmt: skip
@@ -1009,8 +1040,9 @@ def markdown(result: dict[str, Any]) -> str:
                "`warmgate serve` (single-process gateway: no relays in /admin/status)" if kinds == {"single-process"}
                else "n/a (no /admin/status)" if kinds == {None} else f"mixed: {sorted(map(str, kinds))}")  # fmt: skip
     lines += [f"CPU time (utime+stime) over the counted requests, per output token; gateway = {gateway}:", "",
-              "| target | concurrency | gateway µs/tok | supervisor µs/tok | engine µs/tok | gateway cores | "
-              "engine cores | client max core |", "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+              "| target | concurrency | gateway µs/tok | supervisor µs/tok | engine µs/tok (step loop / HTTP loop / "
+              "other threads) | gateway cores | engine cores | client max core |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     gone = False
     for s in result["levels"]:
         g = s["cpu"]["groups"]
@@ -1021,8 +1053,10 @@ def markdown(result: dict[str, Any]) -> str:
             return fmt(value, spec) + (" *" if group.get("gone") else "")
 
         gone = gone or any(x.get("gone") for x in (gw, sup, eng))
+        threads = s["cpu"].get("engine_threads_us_per_token")
+        by_thread = f" ({' / '.join(fmt(threads[k]) for k in ('engine', 'loop', 'other'))})" if threads else ""
         lines.append(f"| {s['target']} | {s['concurrency']} | {mark(gw, gw.get('us_per_token'))} | "
-                     f"{mark(sup, sup.get('us_per_token'))} | {mark(eng, eng.get('us_per_token'))} | "
+                     f"{mark(sup, sup.get('us_per_token'))} | {mark(eng, eng.get('us_per_token'))}{by_thread} | "
                      f"{mark(gw, gw.get('cores'), '.2f')} | {mark(eng, eng.get('cores'), '.2f')} | "
                      f"{fmt(s['client'].get('max_proc_cpu_fraction'), '.2f')} |")  # fmt: skip
     if gone:

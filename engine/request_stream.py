@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from common.heartbeat import BEAT_INTERVAL, ENGINE_THREAD, Heartbeat
+from common.proctitle import ENGINE_THREAD_NAME, set_thread_title
 
 log = logging.getLogger("warmgate.engine")
 Item = TypeVar("Item")  # what a backend queues for its thread (a native Sequence, a vLLM request)
@@ -160,6 +161,7 @@ class EngineThread(Generic[Item]):
             self._wake.notify()
 
     def _loop(self) -> None:
+        set_thread_title(ENGINE_THREAD_NAME)
         beat = self._heartbeat.beat if self._heartbeat is not None else lambda _slot: None
         while True:
             beat(ENGINE_THREAD)

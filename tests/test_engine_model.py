@@ -11,6 +11,7 @@ import torch
 from cache.checkpoint.reader import read_checkpoint
 from cache.checkpoint.synth import SHAPES, synth_checkpoint
 from cache.processors.native import FP8_DEQUANT, LinearRecipe
+from common.proctitle import ENGINE_THREAD_NAME
 from engine.config import EngineConfig
 from engine.native.kernels import UnknownKernel, kernel_for
 from engine.native.kv_cache import BlockAllocator, KVCache, KVCacheSpec
@@ -210,6 +211,19 @@ def test_steps_overlap_and_a_steps_events_reach_the_loop_once_the_step_after_nex
     # Six steps, each but the last launched on before it was read: five spans, each holding its step's device time
     # and more (on the CPU the forward runs on the thread that launches it).
     assert 0 < spanned < device and spanned < span
+
+
+def test_the_engine_thread_carries_its_os_name(demo_path) -> None:
+    """/proc tells the step loop's CPU time apart from the HTTP loop's by its OS name (bench/serve_load.py's
+    per-thread figures, issue 25's step-loop budget per token)."""
+    engine = _engine(demo_path("bf16"))
+    engine.start()
+    try:
+        assert engine._thread is not None
+        comm = Path(f"/proc/self/task/{engine._thread.native_id}/comm").read_text().strip()
+    finally:
+        engine.stop()
+    assert comm == ENGINE_THREAD_NAME
 
 
 def test_an_activation_asked_while_the_engine_serves_is_answered_between_steps(demo_path, prompt_ids,
