@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU runs for the serving engine, on the device machine (torch + Triton there; the rest travels as wheels in .whl/,
 # the demo tokenizer for the synthetic checkpoint in .gputok/: see docs/benchmarks.md).
-#   bash bench/gpu_serving.sh setup probe tests graphs profile engine structured prefix defaults restarts serve  # any subset
+#   bash bench/gpu_serving.sh setup probe tests graphs profile engine structured prefix defaults speed restarts serve  # any subset
 # The serving acceptance (setup + serve fit one 10-minute device call: ~10 s wheels, ~25 s synth, serve <= 480 s):
 #   bash bench/gpu_serving.sh setup serve        # carry .whl and .gputok; SERVE_ARGS / SERVE_TIMEOUT override
 # Results go to a folder under /tmp/gpuout, packed at the end into $OUT/results.tgz (markdown copied beside it).
@@ -86,6 +86,18 @@ demo._write_marker(t, 'fp8-block', seconds=0.0)"
                 --out $RUN/$tuned --deadline-s 210 $LEVELS --direct-concurrency 0 --restart-probe 0 2>&1 | tail -8
               cp $RUN/$tuned/serve_load.md $OUT/$tuned.md 2>/dev/null
               cp $RUN/$tuned/serve_load.json $OUT/$tuned.json 2>/dev/null
+            done ;;
+    speed)  # Issue 25's serving points with its settings (max_num_seqs 128, 20 GB KV): 1 stream (TPOT p50), 64 and 128
+            # streams (tok/s, TTFT, the engine's CPU per token by thread, device idle), then 32 streams of 1,150-token
+            # prompts and 256 tokens (TTFT p99, TPOT p99). ~4 min with the two starts; `profile` and `prefix` are the rest.
+            for load in table long; do
+              if [ $load = table ]; then LEVELS="--concurrency 1,64,128 --requests-per-client 16,8,8"
+              else LEVELS="--concurrency 32 --requests-per-client 4 --prompt-len 1150 --output-len 256"; fi
+              timeout -k 30 ${SPEED_TIMEOUT:-200} python3 bench/serve_load.py --model $MODEL --device cuda \
+                --max-num-seqs 128 --kv-cache-bytes 20000000000 --out $RUN/speed-$load --deadline-s 170 $LEVELS \
+                --direct-concurrency 0 --restart-probe 0 2>&1 | tail -8
+              cp $RUN/speed-$load/serve_load.md $OUT/speed-$load.md 2>/dev/null
+              cp $RUN/speed-$load/serve_load.json $OUT/speed-$load.json 2>/dev/null
             done ;;
     restarts) # Issue 24's run: the gateway's defaults (two standbys, KV cache planned from the device), 10 standby
             # restarts, 3 through the fork server, 5 kills 1.5 s apart, 10 admin restarts 1 s apart. RESTARTS_ARGS overrides.
