@@ -42,7 +42,7 @@ TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "nu
         "num_key_value_heads": 2, "head_dim": 16}  # fmt: skip
 
 
-def worker(socket_path: str, config: str, step_ms: float, profile: Path | None) -> None:
+def worker(socket_path: str, config: str, step_ms: float, token_us: float, profile: Path | None) -> None:
     """The engine worker, its model replaced as the module docstring says."""
     import torch
 
@@ -52,11 +52,13 @@ def worker(socket_path: str, config: str, step_ms: float, profile: Path | None) 
 
     original = llm_engine.LLMEngine.__init__
     gpu = {"steps": 0, "busy": 0.0, "idle": 0.0, "free_at": 0.0}  # the stand-in GPU's time, for GAPS_FILE
-    step_s = step_ms / 1e3
 
     class Timing:
+        def __init__(self, seconds: float) -> None:
+            self._seconds = seconds
+
         def seconds(self) -> float:
-            return step_s
+            return self._seconds
 
     drawing = llm_engine.draw
 
@@ -89,8 +91,9 @@ def worker(socket_path: str, config: str, step_ms: float, profile: Path | None) 
         def run(step: Any, every_token: Any = frozenset(), drawn: Any = None) -> StepOutput:
             """A CUDA graph's step on the host: stage the inputs, upload them, launch (the stand-in GPU starts it when
             the step before it ends)."""
-            seqs = len(step)
-            runner._stage(step, sum(w.count for w in step), seqs)
+            seqs, tokens = len(step), sum(w.count for w in step)
+            runner._stage(step, tokens, seqs)
+            step_s = (step_ms + tokens * token_us / 1e3) / 1e3
             meta.copy_(runner.host)
             tables[:seqs].copy_(runner.host_tables[:seqs])
             now = time.perf_counter()
@@ -102,7 +105,7 @@ def worker(socket_path: str, config: str, step_ms: float, profile: Path | None) 
             gpu["free_at"] = max(now, gpu["free_at"]) + step_s
             if gpu["steps"] % 50 == 0:
                 Path(socket_path + GAPS_FILE).write_text(json.dumps(gpu))
-            return StepOutput(logits_rows[:seqs], argmax[:seqs], Timing())  # type: ignore[arg-type]
+            return StepOutput(logits_rows[:seqs], argmax[:seqs], Timing(step_s))  # type: ignore[arg-type]
 
         runner.run = run
 
@@ -112,7 +115,7 @@ def worker(socket_path: str, config: str, step_ms: float, profile: Path | None) 
         return
     import cProfile
 
-    profiler = cProfile.Profile()
+    profiler = cProfile.Profile(time.thread_time)  # the thread's CPU: a wait for the GIL counts for nothing
     if profile.stem == "engine":  # the engine thread's loop, from its start to its end
         loop = llm_engine.LLMEngine._loop
 
@@ -171,6 +174,46 @@ async def load(socket_path: str, streams: int, seconds: float, max_tokens: int, 
     return tokens, time.monotonic() - began
 
 
+async def bursts(socket_path: str, size: int, rounds: int, prompt_len: int, max_tokens: int,
+                 vocab: int) -> list[list[tuple[float, float]]]:  # fmt: skip
+    """``rounds`` times, ``size`` streaming requests sent at once (distinct prompts of ``prompt_len`` token ids, as
+    a wave of new requests or the streams a crash moves to a new engine), each round once the one before ended:
+    each round's seconds from its sending to each request's opening and first token."""
+    import random
+
+    import httpx
+
+    from engine.internal_stream import RESUMABLE_HEADER
+
+    rng = random.Random(0)
+    clients = [httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=socket_path), base_url="http://engine",
+                                 timeout=120) for _ in range(size)]  # fmt: skip
+
+    async def one(http: httpx.AsyncClient, prompt: list[int], sent: float) -> tuple[float, float]:
+        """Seconds to the stream's opening (the engine admitted it: its first chunk, a comment of the internal
+        stream) and to its first token (its first data event)."""
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+        opened = token = None
+        async with http.stream("POST", "/v1/completions", json=body, headers={RESUMABLE_HEADER: "1"}) as response:
+            assert response.status_code == 200, await response.aread()
+            async for chunk in response.aiter_raw():
+                opened = opened or time.perf_counter()
+                if token is None and b"data: {" in chunk:
+                    token = time.perf_counter()
+        assert opened is not None and token is not None
+        return opened - sent, token - sent
+
+    out = []
+    for _ in range(rounds):
+        prompts = [[rng.randrange(1000, vocab - 1000) for _ in range(prompt_len)] for _ in clients]
+        sent = time.perf_counter()
+        out.append(await asyncio.gather(*(one(h, p, sent) for h, p in zip(clients, prompts, strict=True))))
+        await asyncio.sleep(0.2)
+    for http in clients:
+        await http.aclose()
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--streams", type=int, default=64)
@@ -178,13 +221,22 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--logprobs", type=int, help="each request asks for this many alternatives per token")
+    parser.add_argument("--token-us", type=float, default=0.0,
+                        help="the stand-in step's time per token on top of --step-ms (a prefill's cost; ~15 us on "
+                             "the H200 for llama3-8b fp8-block: 2,048-token steps of 36 ms)")  # fmt: skip
+    parser.add_argument("--burst", type=int, default=0,
+                        help="instead of streams: rounds of this many requests sent at once (--prompt-len token ids, "
+                             "--max-tokens each); reported: each one's time to its first chunk, the loop's CPU per "
+                             "request")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--prompt-len", type=int, default=160)
     parser.add_argument("--profile", choices=("engine", "loop"), help="profile this thread")
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        socket_path, config, step_ms, profile = args.worker
-        worker(socket_path, config, float(step_ms), Path(profile) if profile != "-" else None)
+        socket_path, config, step_ms, token_us, profile = args.worker
+        worker(socket_path, config, float(step_ms), float(token_us), Path(profile) if profile != "-" else None)
         return
     from cache.checkpoint.demo import build_demo
     from cache.checkpoint.synth import SHAPES, synth_checkpoint
@@ -194,9 +246,11 @@ def main() -> None:
     model = synth_checkpoint(tmp / "tiny", {**SHAPES["smollm2-135m"], **TINY}, "bf16", tokenizer=demo,
                              progress=False)  # fmt: skip
     socket_path = str(tmp / "engine.sock")
-    config = json.dumps({"model": str(model), "device": "cpu", "max_num_seqs": args.streams, "max_model_len": 1024})
+    config = json.dumps({"model": str(model), "device": "cpu", "max_num_seqs": max(args.streams, args.burst),
+                         "max_model_len": 1024})  # fmt: skip
     profile = tmp / f"{args.profile}.prof" if args.profile else None
-    cmd = [sys.executable, __file__, "--worker", socket_path, config, str(args.step_ms), str(profile or "-")]
+    cmd = [sys.executable, __file__, "--worker", socket_path, config, str(args.step_ms), str(args.token_us),
+           str(profile or "-")]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with (tmp / "worker.log").open("wb") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log)
@@ -205,6 +259,38 @@ def main() -> None:
             if proc.poll() is not None:
                 raise SystemExit((tmp / "worker.log").read_text()[-3000:])
             time.sleep(0.1)
+        if args.burst:
+            vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+            asyncio.run(bursts(socket_path, args.burst, 1, args.prompt_len, args.max_tokens, vocab))  # warm
+            before = thread_cpu(proc.pid) or {}
+            rounds = asyncio.run(bursts(socket_path, args.burst, args.rounds, args.prompt_len, args.max_tokens, vocab))
+            after = thread_cpu(proc.pid) or {}
+    finally:
+        if args.burst:
+            proc.terminate()
+            proc.wait(60)
+    if args.burst:
+        requests = args.burst * args.rounds
+
+        def quantiles(which: int) -> dict[str, float]:
+            every = sorted(t[which] for r in rounds for t in r)
+            return {q: round(1e3 * every[int(f * (len(every) - 1))], 1) for q, f in (("p50", 0.5), ("p90", 0.9),
+                                                                                    ("max", 1.0))}  # fmt: skip
+
+        burst = {"burst": args.burst, "rounds": args.rounds, "prompt_len": args.prompt_len,
+                 "max_tokens": args.max_tokens, "step_ms": args.step_ms, "token_us": args.token_us,
+                 "admitted_ms": quantiles(0), "first_token_ms": quantiles(1),
+                 "last_admitted_ms_per_round": [round(1e3 * max(t[0] for t in r), 1) for r in rounds],
+                 "last_first_token_ms_per_round": [round(1e3 * max(t[1] for t in r), 1) for r in rounds],
+                 "cpu_us_per_request": {k: round((after.get(k, 0) - before.get(k, 0)) / requests * 1e6, 1)
+                                        for k in after},
+                 "cpu_count": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}  # fmt: skip
+        print(json.dumps(burst))
+        print_profile(profile)
+        if args.out:
+            args.out.write_text(json.dumps(burst, indent=1) + "\n")
+        return
+    try:
         extra = {"logprobs": args.logprobs} if args.logprobs is not None else {}
         asyncio.run(load(socket_path, args.streams, 2.0, args.max_tokens, extra))  # warm: every stream once
         before, client = thread_cpu(proc.pid) or {}, time.process_time()
@@ -232,13 +318,17 @@ def main() -> None:
               "client_cores": round(client / wall, 2), "cpu_count": os.cpu_count(),
               "date": time.strftime("%Y-%m-%d")}  # fmt: skip
     print(json.dumps(result))
+    print_profile(profile)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+def print_profile(profile: Path | None) -> None:
     if profile is not None and profile.exists():
         import pstats
 
         stats = pstats.Stats(str(profile))
         stats.sort_stats("tottime").print_stats(30)
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":
