@@ -4,6 +4,10 @@ Request admission (prompts, grammars, choices submitted to the engine, in-flight
 can wait for them) and the routes. An answer's chunks are written by engine/chunks.py from its text deltas
 (engine/text.py), a whole response is assembled from them (engine/responses.py), and the gateway's internal
 stream adds comment lines to them (engine/internal_stream.py).
+
+The generation routes are a bare ASGI app (``EngineApp``), as the relays' are: the body parsed by pydantic from its
+JSON, the answer written with uvicorn's ``send``, no framework code per request or per token (this loop shares the
+GIL with the engine's step loop; bench/engine_host.py, docs/benchmarks.md). The rest is a FastAPI app.
 """
 
 from __future__ import annotations
@@ -14,13 +18,14 @@ import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
@@ -173,35 +178,33 @@ class Admission:
         )
 
 
-class _TrackedStreamingResponse(StreamingResponse):
-    """An SSE response that runs on_close however it ends: finished, client gone, or never started."""
-
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
-        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self._on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
-
-
 class ClientGone(Exception):
     """The client closed the connection before its (non-streaming) answer was ready."""
 
 
-async def _disconnected(raw: Request) -> None:
+async def _disconnected(receive: Receive) -> None:
     """Return once the client has closed the connection (the request body is already read)."""
-    while (await raw.receive())["type"] != "http.disconnect":
+    while (await receive())["type"] != "http.disconnect":
         pass
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    """One line naming each invalid field, and the first one as the error's param."""
+async def _body(receive: Receive) -> bytes:
+    """The request's body, whole."""
+    parts = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone()
+        parts.append(message.get("body", b""))
+        if not message.get("more_body"):
+            return b"".join(parts)
+
+
+def _validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
+    """One line naming each invalid field (pydantic's or FastAPI's errors), and the first one as the error's param."""
     parts: list[str] = []
     param: str | None = None
-    for error in exc.errors():
+    for error in errors:
         if error.get("type") == "json_invalid":
             return f"the request body is not valid JSON: {error.get('ctx', {}).get('error', 'parse error')}", None
         loc = [str(p) for p in error.get("loc", ()) if p != "body"]
@@ -323,11 +326,36 @@ class EngineAPI:
             sum(c.completion_tokens for c in answer.choices), time.monotonic() - answer.began,
         )  # fmt: skip
 
-    def stream(self, answer: Answer, events: AsyncIterator[str]) -> StreamingResponse:
-        """The SSE response of an admitted request; it releases the request however the stream ends."""
-        return _TrackedStreamingResponse(events, on_close=lambda: self.release(answer))
+    async def stream(self, answer: Answer, events: AsyncIterator[str], receive: Receive, send: Send) -> None:
+        """Write the SSE response of an admitted request with ``send``; released however it ends. A client that
+        hangs up (uvicorn's ``receive`` says so) cancels the request: the engine stops generating for it."""
+        task = asyncio.current_task()
+        assert task is not None
+        sent, left = False, False
 
-    async def whole(self, answer: Answer, events: AsyncIterator[str], raw: Request, chat: bool) -> JSONResponse:
+        async def watch() -> None:
+            nonlocal left
+            await _disconnected(receive)
+            if not sent:  # uvicorn also says "disconnect" once the response has been sent
+                left = True
+                task.cancel()
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+            async for event in events:
+                await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
+            sent = True
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not left:
+                raise
+            task.uncancel()
+        finally:
+            watcher.cancel()
+            self.release(answer)
+
+    async def whole(self, answer: Answer, events: AsyncIterator[str], receive: Receive, chat: bool) -> JSONResponse:
         """The whole response of an admitted request, assembled from its stream's events; released when done.
 
         A client that hangs up (a timeout, say) cancels the request: the engine stops generating for it.
@@ -337,7 +365,7 @@ class EngineAPI:
             return [json.loads(event[6 : event.index("\n")]) async for event in events if event.startswith("data: {")]
 
         work = asyncio.ensure_future(chunks())
-        gone = asyncio.ensure_future(_disconnected(raw))
+        gone = asyncio.ensure_future(_disconnected(receive))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
             if not work.done():
@@ -436,11 +464,72 @@ def _private_memory() -> int:
     return 0
 
 
-def create_app(engine: ServingEngine, tokenizer: ChatTokenizer) -> FastAPI:
-    """The FastAPI app an engine worker serves on its Unix socket; app.state.api is what the worker drains."""
+SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+# route -> its request's model, the field its prompt comes from, its answers' id prefix
+GENERATION: dict[str, tuple[type[CompletionRequest] | type[ChatCompletionRequest], str, str]] = {
+    "/v1/completions": (CompletionRequest, "prompt", "cmpl"),
+    "/v1/chat/completions": (ChatCompletionRequest, "messages", "chatcmpl"),
+}
+
+
+def _internal_error(exc: Exception) -> JSONResponse:
+    log.exception("event=request_failed error=%s", type(exc).__name__)
+    return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
+
+
+class EngineApp:
+    """The ASGI app an engine worker serves on its Unix socket: a POST to a generation route goes straight to
+    ``EngineAPI`` (``generate``), everything else to the FastAPI app. ``api`` is what the worker drains."""
+
+    def __init__(self, api: EngineAPI, rest: FastAPI) -> None:
+        self.api = api
+        self.rest = rest
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        route = GENERATION.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if route is None:
+            await self.rest(scope, receive, send)
+            return
+        try:
+            response = await self.generate(route, scope, receive, send)
+        except ApiError as exc:
+            response = error_response(exc)
+        except ClientGone:
+            response = Response(status_code=499)  # nobody reads it; the request was cancelled in the engine
+        except Exception as exc:
+            response = _internal_error(exc)
+        if response is not None:
+            await response(scope, receive, send)
+
+    async def generate(self, route: tuple[type[CompletionRequest] | type[ChatCompletionRequest], str, str],
+                       scope: Scope, receive: Receive, send: Send) -> Response | None:  # fmt: skip
+        """One completion or chat completion: its whole response, or None once its stream has been written."""
+        kind, prompt_param, id_prefix = route
+        api = self.api
+        try:
+            request = kind.model_validate_json(await _body(receive))
+        except ValidationError as exc:
+            message, param = _validation_message(exc.errors())
+            raise ApiError(400, message, param=param) from None
+        api.check_model(request.model)
+        if isinstance(request, ChatCompletionRequest):
+            prompts = api.chat_prompts(request)
+        else:
+            prompts = api.completion_prompts(request)
+        grammar = await api.grammar(request)
+        internal = (RESUMABLE_HEADER.encode(), b"1") in scope["headers"]
+        answer = api.admit(request, prompts, prompt_param, id_prefix, internal, grammar)
+        events = api.chunks.events(request, answer)
+        if request.stream:
+            await api.stream(answer, events, receive, send)
+            return None
+        return await api.whole(answer, events, receive, isinstance(request, ChatCompletionRequest))
+
+
+def create_app(engine: ServingEngine, tokenizer: ChatTokenizer) -> EngineApp:
+    """The app an engine worker serves on its Unix socket."""
     api = EngineAPI(engine, tokenizer)
     app = FastAPI(title="warmgate engine", docs_url=None, redoc_url=None)
-    app.state.api = api
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -449,7 +538,7 @@ def create_app(engine: ServingEngine, tokenizer: ChatTokenizer) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         # OpenAI answers 400 for any invalid request; FastAPI's default is 422.
-        message, param = _validation_message(exc)
+        message, param = _validation_message(exc.errors())
         return error_response(ApiError(400, message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
@@ -457,14 +546,9 @@ def create_app(engine: ServingEngine, tokenizer: ChatTokenizer) -> FastAPI:
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return error_response(ApiError(exc.status_code, str(exc.detail), kind))
 
-    @app.exception_handler(ClientGone)
-    async def _client_gone(_: Request, exc: ClientGone) -> Response:
-        return Response(status_code=499)  # nobody reads it; the request was cancelled in the engine
-
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("event=request_failed error=%s", type(exc).__name__)
-        return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
+        return _internal_error(exc)
 
     origin = engine.weight_origin
     weights_info = WeightsInfo(
@@ -527,24 +611,4 @@ def create_app(engine: ServingEngine, tokenizer: ChatTokenizer) -> FastAPI:
         card = ModelCard(id=api.model_name, root=str(engine.config.model), max_model_len=engine.max_model_len)
         return ModelList(data=[card])
 
-    async def respond(request: SamplingRequest, raw: Request, prompts: list[list[int]], prompt_param: str,
-                      id_prefix: str) -> JSONResponse | StreamingResponse:  # fmt: skip
-        grammar = await api.grammar(request)
-        internal = raw.headers.get(RESUMABLE_HEADER) == "1"
-        answer = api.admit(request, prompts, prompt_param, id_prefix, internal, grammar)
-        events = api.chunks.events(request, answer)
-        if request.stream:
-            return api.stream(answer, events)
-        return await api.whole(answer, events, raw, isinstance(request, ChatCompletionRequest))
-
-    @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(request: ChatCompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:
-        api.check_model(request.model)
-        return await respond(request, raw, api.chat_prompts(request), "messages", "chatcmpl")
-
-    @app.post("/v1/completions", response_model=None)
-    async def completions(request: CompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:
-        api.check_model(request.model)
-        return await respond(request, raw, api.completion_prompts(request), "prompt", "cmpl")
-
-    return app
+    return EngineApp(api, app)

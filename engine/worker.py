@@ -23,10 +23,9 @@ from common import events
 
 if TYPE_CHECKING:
     import uvicorn
-    from fastapi import FastAPI
 
     from common.heartbeat import Heartbeat
-    from engine.server import EngineAPI, ServingEngine
+    from engine.server import EngineAPI, EngineApp, ServingEngine
 
 log = logging.getLogger("warmgate.engine.worker")
 
@@ -50,7 +49,7 @@ def _server_class() -> type[uvicorn.Server]:
     return Server
 
 
-async def _serve(app: FastAPI, api: EngineAPI, engine: ServingEngine, sock: socket.socket, drain_timeout: float,
+async def _serve(app: EngineApp, api: EngineAPI, engine: ServingEngine, sock: socket.socket, drain_timeout: float,
                  stop_requested: list[str], heartbeat: Heartbeat | None, socket_path: Path) -> None:  # fmt: skip
     import uvicorn
 
@@ -124,7 +123,7 @@ def _build_engine(config: Any) -> ServingEngine:
 SWITCH_INTERVAL = 0.0005  # seconds
 
 
-async def _warm_up(app: FastAPI) -> None:
+async def _warm_up(app: EngineApp) -> None:
     """A streamed completion and a streamed chat through the whole app before the worker reports ready:
     first-use costs (request validation, chat template, detokenizer, SSE framing) are paid here,
     not by the first client after a start."""
@@ -227,7 +226,7 @@ def main(socket_path: str | Path, config_source: str, drain_timeout: float = DEF
     engine.startup_phases["gc"] = time.perf_counter() - t
     log_event("ready", socket=socket_path, seconds=time.perf_counter() - started, **engine.startup_phases)
     try:
-        uvloop.run(_serve(app, app.state.api, engine, sock, drain_timeout, stop_requested, heartbeat, socket_path))
+        uvloop.run(_serve(app, app.api, engine, sock, drain_timeout, stop_requested, heartbeat, socket_path))
     finally:
         sock.close()
         socket_path.unlink(missing_ok=True)
