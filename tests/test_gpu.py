@@ -112,6 +112,49 @@ def test_mixed_steps_above_the_largest_graph_run_eagerly_and_equal_a_graphless_e
     assert a == eager.generate(prompts, params)
 
 
+def test_an_engine_capturing_its_graphs_while_it_serves_answers_as_one_that_captured_them_first(
+        tmp_path: Path) -> None:  # fmt: skip
+    """graphs_while_serving (a restart's own engine): no graph before ready, steps eager until each graph is
+    captured between steps (decode graphs first); the greedy tokens are those of an engine that captured every graph
+    at start, and once serving has taken them all, its steps replay them with the same tokens."""
+    import asyncio
+
+    from engine.config import EngineConfig
+    from engine.native.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+
+    path = synth_checkpoint(tmp_path / "q", "qwen3-0.6b", "fp8-block", num_layers=2, device="cuda", progress=False)
+    settings = {"model": path, "device": "cuda", "kv_cache_bytes": KV_BYTES, "max_num_seqs": 8, "max_model_len": 512,
+                "max_num_batched_tokens": 256}  # fmt: skip
+    prompts = [[(7 * i + j) % 1000 + 10 for j in range(n)] for i, n in enumerate((1, 17, 100, 300, 250, 260, 3))]
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    first = LLMEngine(EngineConfig(**settings))
+    expected = first.generate(prompts, params)
+    keys = len(first.runner.graphs)
+    del first
+    torch.cuda.empty_cache()
+    engine = LLMEngine(EngineConfig(**settings, graphs_while_serving=True))
+    assert not engine.runner.graphs and len(engine.runner.pending_graphs) == keys
+    assert engine.runner.pending_graphs[0][0] == "decode" and "cuda_graphs" not in engine.startup_phases
+
+    async def serve() -> list[list[int]]:
+        engine.start()
+        await asyncio.wait_for(asyncio.wrap_future(engine.activate(10.0)), 60)
+        streams = [engine.submit(p, params) for p in prompts]
+        return [[e.token_id async for e in stream if e.token_id is not None] for stream in streams]
+
+    try:
+        served = asyncio.run(serve())
+        deadline = time.monotonic() + 60
+        while engine.runner.pending_graphs and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        engine.stop()
+    assert served == expected
+    assert not engine.runner.pending_graphs and len(engine.runner.graphs) == keys
+    assert engine.generate(prompts, params) == expected  # every step from a graph now
+
+
 def test_overlapped_cuda_steps_feed_each_sequence_its_own_last_token(tmp_path: Path) -> None:
     """tests/overlap_check.py on CUDA, graphed and eager (qwen3-0.6b shapes, 2 layers, FP8 block)."""
     from overlap_check import check_overlapped_steps

@@ -20,6 +20,7 @@ import pytest
 from app.config import RestartSettings
 from app.metrics import SupervisorMetrics
 from app.supervisor.engines import Engine, EngineStartError, EngineState, IllegalTransition, RestartReport, transition
+from app.supervisor.launcher import _worker_config
 from app.supervisor.reconciler import Exited, Hung, Reconciler, Routing
 from engine.config import EngineConfig
 from engine.protocol import HealthResponse
@@ -257,6 +258,7 @@ async def test_a_restart_that_starts_its_own_engine_has_no_standby_build_beside_
     h.reconciler.start()
     try:
         await h.reconciler.restart(h.config, "overlap", "start")
+        first = h.active
         await h.until(lambda: {("start", 2), ("start", 3)} <= set(h.launcher.log), "both standbys starting")
         builds = [h.reconciler.engines[2], h.reconciler.engines[3]]
         other = h.config.model_copy(update={"max_num_seqs": 8})
@@ -267,11 +269,17 @@ async def test_a_restart_that_starts_its_own_engine_has_no_standby_build_beside_
         assert all(b.state is EngineState.FAILED and b.id not in h.reconciler.engines for b in builds)
         await asyncio.sleep(0.1)
         assert not restart.done() and ("start", 5) not in h.launcher.log  # nothing built beside the start
+        own = h.reconciler.engines[4]
         h.launcher.hold[4].set()
         report = await restart
         assert report.ok and report.engine == 4 and report.path == "fork", report
         await h.until(lambda: len(h.reconciler.standbys()) == 2, "its config's standbys, built after the switch")
         assert {e.config.max_num_seqs for e in h.reconciler.standbys()} == {8}
+        # Clients wait for the restart's own engine: it captures its CUDA graphs once serving; standbys and the
+        # gateway's first engine before they are ready. The flag is the start's, not the config's.
+        assert own.graphs_while_serving and own.config == other
+        assert first is not None and not any(e.graphs_while_serving for e in [first, *builds, *h.reconciler.standbys()])
+        assert _worker_config(own).graphs_while_serving and not _worker_config(builds[0]).graphs_while_serving
     finally:
         await h.reconciler.close()
 

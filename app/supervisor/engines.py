@@ -77,6 +77,9 @@ class Engine:
     state: EngineState = EngineState.STARTING
     process: WorkerProcess | None = None  # set once launched
     path: str | None = None  # how its process began: "fork" (from the fork server) or "spawn"
+    # Its CUDA graphs captured once it serves (EngineConfig.graphs_while_serving): a restart's own engine, which
+    # clients wait for. Not part of its config: a standby of the same config is the same engine, graphs before ready.
+    graphs_while_serving: bool = False
     started: float = field(default_factory=time.monotonic)
     health: HealthResponse | None = None  # the last /health it answered (figures for the status page)
 

@@ -27,6 +27,7 @@ from app.supervisor.terminate import terminate
 from common.events import log_event
 from common.heartbeat import Heartbeat
 from common.lifeline import Lifelines
+from engine.config import EngineConfig
 from engine.protocol import ActivateRequest, DrainRequest, HealthResponse
 
 log = logging.getLogger("warmgate.supervisor.launcher")
@@ -90,7 +91,7 @@ class WorkerLauncher:
         Heartbeat.create(engine.heartbeat_path).close()
         lifeline = await self.lifelines.listen(engine.socket.parent / f"lifeline-{os.getpid()}.sock")
         argv = ["engine", "--socket", str(engine.socket), "--heartbeat", str(engine.heartbeat_path),
-                "--lifeline", str(lifeline), "--config", engine.config.model_dump_json()]  # fmt: skip
+                "--lifeline", str(lifeline), "--config", _worker_config(engine).model_dump_json()]  # fmt: skip
         engine.process, engine.path = await self._launch(argv, engine.log_path)
         report.phases["spawn"] = time.perf_counter() - t
         try:
@@ -194,3 +195,9 @@ class WorkerLauncher:
         engine.health = health
         return health
 
+
+def _worker_config(engine: Engine) -> EngineConfig:
+    """The config the worker gets: the engine's, with what the supervisor decides per start."""
+    if engine.graphs_while_serving:
+        return engine.config.model_copy(update={"graphs_while_serving": True})
+    return engine.config

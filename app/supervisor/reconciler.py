@@ -423,8 +423,9 @@ class Reconciler:
                         r.build = self._building.pop(building)
                         r.candidate, r.report.path = building, "standby"
                         r.lap()
-                    else:
-                        r.candidate, r.launched = self._launch(r.request.config, r.report), True
+                    else:  # clients wait for it (but the gateway's first): its graphs are captured once it serves
+                        r.candidate = self._launch(r.request.config, r.report, r.request.reason != "start")
+                        r.launched = True
                     r.phase = Phase.STARTING
                     return
                 self._activate(r)
@@ -561,12 +562,12 @@ class Reconciler:
 
     # -- primitives: each starts a task that reports back with an event ---------------------------------------
 
-    def _launch(self, config: EngineConfig, report: RestartReport) -> Engine:
+    def _launch(self, config: EngineConfig, report: RestartReport, graphs_while_serving: bool = False) -> Engine:
         engine_id = next(self._ids)
         # Named by generation and id: an earlier gateway's engine still draining in the run dir never shares a name.
         name = self.run_dir / f"engine-{self.generation}-{engine_id}"
         engine = Engine(engine_id, name.with_suffix(".sock"), name.with_suffix(".log"), name.with_suffix(".beat"),
-                        config)  # fmt: skip
+                        config, graphs_while_serving=graphs_while_serving)  # fmt: skip
         remove_old_logs(self.run_dir, "engine-*.log", KEEP_LOGS)
         self.engines[engine_id] = engine
         self._spawn(self._start(engine, report))

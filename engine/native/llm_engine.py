@@ -50,6 +50,7 @@ from engine.weights import LoadedWeights, WeightOrigin, WeightSource, weight_sou
 log = logging.getLogger("warmgate.engine")
 STATS_INTERVAL = 10.0  # seconds between engine_stats log lines
 TRACED_STEPS = 8  # steps after an activation logged one by one (step_after_activation: a promotion's first tokens)
+CAPTURE_GAP_S = 0.25  # graphs_while_serving: the longest wait between two captures while requests wait
 
 
 class LLMEngine(EngineThread[Sequence]):
@@ -67,6 +68,7 @@ class LLMEngine(EngineThread[Sequence]):
         self._activations: list[tuple[Future[float], float]] = []  # asked for (activate), with their timeouts
         self._activated = False  # the KV cache's first stripes are committed
         self._grown: list[tuple[int, int]] = []  # blocks committed since in the background, not handed out yet
+        self._captured_at = 0.0  # the last graph captured while serving (graphs_while_serving)
         with self._phase("device_init"):
             self.device = resolve_device(config.device)
             if self.device.type == "cuda":
@@ -101,7 +103,9 @@ class LLMEngine(EngineThread[Sequence]):
         self.scheduler = Scheduler(allocator, self.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv, self.max_num_seqs, config.max_num_batched_tokens,
                                   self.max_model_len, config.cuda_graphs)  # fmt: skip
-        if self.runner.use_graphs:
+        if self.runner.use_graphs and config.graphs_while_serving:
+            self.runner.defer_graphs()
+        elif self.runner.use_graphs:
             with self._phase("cuda_graphs"):  # every graph before ready: no capture on a request's path
                 self.runner.capture_all()
             self.startup_phases.update({f"graph_{k}": v for k, v in self.runner.capture_parts.items()})
@@ -229,7 +233,11 @@ class LLMEngine(EngineThread[Sequence]):
         return not (self.scheduler.idle and self._launched is None and self._drawn is None)
 
     def _idle(self) -> bool:
-        return not self._stepping() and not self._activations and not self._grown
+        return not self._stepping() and not self._activations and not self._grown and not self._graphs_due()
+
+    def _graphs_due(self) -> bool:
+        """Graphs left to capture by an engine that serves (``graphs_while_serving``), once activated."""
+        return self._activated and bool(self.runner.pending_graphs)
 
     def _steps_on(self) -> bool:
         return self._stepping()  # and _step hands the events over, at the latest before it returns
@@ -242,6 +250,16 @@ class LLMEngine(EngineThread[Sequence]):
                 self.scheduler.allocator.add(first, end)
         if self._activations and not self._stepping():
             self._activate()
+        # One graph between two steps (a capture holds the thread 25-45 ms on the H200 beside a busy engine), new
+        # requests first, but no longer apart than CAPTURE_GAP_S while requests keep waiting (an overload).
+        if self._graphs_due() and ((not pending and not self.scheduler.waiting)
+                                   or time.perf_counter() - self._captured_at > CAPTURE_GAP_S):  # fmt: skip
+            seconds = self.runner.capture_next()
+            self._captured_at = time.perf_counter()
+            if not self.runner.pending_graphs:
+                log_event(log, "graphs_captured", graphs=len(self.runner.graphs), last_s=seconds,
+                          warmup_s=self.runner.capture_parts.get("warmup", 0.0),
+                          capture_s=self.runner.capture_parts.get("capture", 0.0))  # fmt: skip
         for seq in pending:
             self.scheduler.add(seq)
         if not self._stepping():
@@ -267,6 +285,7 @@ class LLMEngine(EngineThread[Sequence]):
                     done.set_exception(exc)
                 return
             self._activated = True
+            self._captured_at = time.perf_counter()  # graphs_while_serving: the first requests before a capture
             self.stats.trace(asked)
             if reserved:
                 self.scheduler.allocator.forget_cached()

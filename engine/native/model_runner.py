@@ -83,6 +83,7 @@ class ModelRunner:
         self.tables = self.host_tables if not pin else torch.zeros_like(self.host_tables, device=self.device)
         self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
+        self.pending_graphs: list[tuple[str, int]] = []  # not captured yet (defer_graphs): their steps run eagerly
         self.decode_sizes = decode_buckets(s)
         self.mixed_sizes = mixed_buckets(self.max_tokens)
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
@@ -175,15 +176,15 @@ class ModelRunner:
         seqs = len(step)
         decode = all(w.count == 1 for w in step)
         tokens = sum(w.count for w in step)
+        key = None
         if self.use_graphs and not every_token and (decode or tokens <= self.mixed_sizes[-1]):
-            if decode:
-                key = ("decode", _bucket(self.decode_sizes, seqs))
-            else:
-                key = ("mixed", _bucket(self.mixed_sizes, tokens))
+            kind, sizes, n = ("decode", self.decode_sizes, seqs) if decode else ("mixed", self.mixed_sizes, tokens)
+            key = (kind, _bucket(sizes, n))
+        if key is not None and key in self.graphs:  # else not captured yet (capture_next): eagerly
             n_tokens, n_seqs = (key[1], key[1]) if decode else (key[1], self.max_seqs)
             copied = self._stage(step, n_tokens, n_seqs)
             self._upload(n_seqs, copied, drawn)
-            graph, logits, argmax = self.graphs[key]  # capture_all() made every one
+            graph, logits, argmax = self.graphs[key]
             timing = StepTiming(self.device)
             graph.replay()
             timing.stop()
@@ -231,6 +232,32 @@ class ModelRunner:
 
     # -- CUDA graphs ---------------------------------------------------------------------------
 
+    def graph_keys(self) -> list[tuple[str, int]]:
+        """Every graph, in the order they are captured: largest first (they share one memory pool)."""
+        return sorted([("mixed", t) for t in self.mixed_sizes] + [("decode", b) for b in self.decode_sizes],
+                      key=lambda k: -k[1])  # fmt: skip
+
+    def defer_graphs(self) -> None:
+        """Capture no graph now: ``capture_next`` takes them one at a time (steps of their sizes run eagerly until
+        then)."""
+        # The decode graphs first, the kind an engine serving streams runs most, each kind largest first.
+        keys = sorted(self.graph_keys(), key=lambda k: (k[0] != "decode", -k[1])) if self.use_graphs else []
+        self.pending_graphs = keys
+
+    def capture_next(self) -> float:
+        """Capture the next pending graph and upload it, between steps of an engine that serves (one started for
+        a restart serves eagerly first: engine/native/llm_engine.py); returns the seconds it took."""
+        from engine.native.triton_fp8 import tile_counters
+
+        t = time.perf_counter()
+        tile_counters(self.device)
+        key = self.pending_graphs.pop(0)
+        self._capture(key, warm_up=not any(k[0] == key[0] for k in self.graphs))
+        self._upload_graph(key)
+        if not self.pending_graphs:
+            torch.cuda.empty_cache()  # the warm-ups' blocks, as capture_all
+        return time.perf_counter() - t
+
     def capture_all(self, warm_up_each: bool = False) -> float:
         """Capture every graph now (largest first, sharing one memory pool); returns the seconds it took.
 
@@ -246,8 +273,7 @@ class ModelRunner:
         from engine.native.triton_fp8 import tile_counters
 
         tile_counters(self.device)  # zeroed now: the warm-ups run at sizes that use cuBLAS, not this kernel
-        keys = sorted([("mixed", t) for t in self.mixed_sizes] + [("decode", b) for b in self.decode_sizes],
-                      key=lambda k: -k[1])  # fmt: skip
+        keys = self.graph_keys()
         seen: set[str] = set()
         for key in keys:
             self._capture(key, warm_up=warm_up_each or key[0] not in seen)
@@ -306,7 +332,8 @@ class ModelRunner:
         graph = torch.cuda.CUDAGraph()
         side.wait_stream(torch.cuda.current_stream())  # the dummy inputs, written in stream order
         with torch.cuda.stream(side):
-            graph.capture_begin(pool=self.pool)
+            # thread_local: the KV cache's background commits (another thread) go on during a capture between steps
+            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
             try:
                 logits, argmax = run()
             finally:
