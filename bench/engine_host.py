@@ -174,11 +174,12 @@ async def load(socket_path: str, streams: int, seconds: float, max_tokens: int, 
     return tokens, time.monotonic() - began
 
 
-async def bursts(socket_path: str, size: int, rounds: int, prompt_len: int, max_tokens: int,
-                 vocab: int) -> list[list[tuple[float, float]]]:  # fmt: skip
+async def bursts(socket_path: str, size: int, rounds: int, prompt_len: int, max_tokens: int, vocab: int,
+                 resumed: int = 0) -> list[list[tuple[float, float]]]:  # fmt: skip
     """``rounds`` times, ``size`` streaming requests sent at once (distinct prompts of ``prompt_len`` token ids, as
-    a wave of new requests or the streams a crash moves to a new engine), each round once the one before ended:
-    each round's seconds from its sending to each request's opening and first token."""
+    a wave of new requests), each round once the one before ended: each round's seconds from its sending to each
+    request's opening and first token. ``resumed``: each is a request resumed after that many tokens (the gateway's
+    ``warmgate_resume``, as the relays send the streams a crash moved to a new engine)."""
     import random
 
     import httpx
@@ -192,7 +193,12 @@ async def bursts(socket_path: str, size: int, rounds: int, prompt_len: int, max_
     async def one(http: httpx.AsyncClient, prompt: list[int], sent: float) -> tuple[float, float]:
         """Seconds to the stream's opening (the engine admitted it: its first chunk, a comment of the internal
         stream) and to its first token (its first data event)."""
-        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+        body: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens + resumed, "temperature": 0,
+                                "ignore_eos": True, "stream": True}  # fmt: skip
+        if resumed:
+            output = [rng.randrange(1000, vocab - 1000) for _ in range(resumed)]
+            body["warmgate_resume"] = {"id": f"cmpl-{id(prompt)}", "created": 0, "prompt_ids": prompt,
+                                       "output_ids": output, "chars": 0, "started": True}  # fmt: skip
         opened = token = None
         async with http.stream("POST", "/v1/completions", json=body, headers={RESUMABLE_HEADER: "1"}) as response:
             assert response.status_code == 200, await response.aread()
@@ -229,6 +235,7 @@ def main() -> None:
                              "--max-tokens each); reported: each one's time to its first chunk, the loop's CPU per "
                              "request")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--resumed", type=int, default=0, help="--burst: each request resumed after this many tokens")
     parser.add_argument("--prompt-len", type=int, default=160)
     parser.add_argument("--profile", choices=("engine", "loop"), help="profile this thread")
     parser.add_argument("--out", type=Path)
@@ -263,7 +270,8 @@ def main() -> None:
             vocab = json.loads((model / "config.json").read_text())["vocab_size"]
             asyncio.run(bursts(socket_path, args.burst, 1, args.prompt_len, args.max_tokens, vocab))  # warm
             before = thread_cpu(proc.pid) or {}
-            rounds = asyncio.run(bursts(socket_path, args.burst, args.rounds, args.prompt_len, args.max_tokens, vocab))
+            rounds = asyncio.run(bursts(socket_path, args.burst, args.rounds, args.prompt_len, args.max_tokens, vocab,
+                                        args.resumed))  # fmt: skip
             after = thread_cpu(proc.pid) or {}
     finally:
         if args.burst:
@@ -277,7 +285,7 @@ def main() -> None:
             return {q: round(1e3 * every[int(f * (len(every) - 1))], 1) for q, f in (("p50", 0.5), ("p90", 0.9),
                                                                                     ("max", 1.0))}  # fmt: skip
 
-        burst = {"burst": args.burst, "rounds": args.rounds, "prompt_len": args.prompt_len,
+        burst = {"burst": args.burst, "rounds": args.rounds, "prompt_len": args.prompt_len, "resumed": args.resumed,
                  "max_tokens": args.max_tokens, "step_ms": args.step_ms, "token_us": args.token_us,
                  "admitted_ms": quantiles(0), "first_token_ms": quantiles(1),
                  "last_admitted_ms_per_round": [round(1e3 * max(t[0] for t in r), 1) for r in rounds],
