@@ -29,6 +29,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
+from common.disconnect import cancelled_on_disconnect
 from engine.chunks import ChunkWriter
 from engine.grammar import Grammar, GrammarError, Grammars
 from engine.internal_stream import RESUMABLE_HEADER
@@ -329,30 +330,19 @@ class EngineAPI:
     async def stream(self, answer: Answer, events: AsyncIterator[str], receive: Receive, send: Send) -> None:
         """Write the SSE response of an admitted request with ``send``; released however it ends. A client that
         hangs up (uvicorn's ``receive`` says so) cancels the request: the engine stops generating for it."""
-        task = asyncio.current_task()
-        assert task is not None
-        sent, left = False, False
+        sent = False
 
-        async def watch() -> None:
-            nonlocal left
-            await _disconnected(receive)
-            if not sent:  # uvicorn also says "disconnect" once the response has been sent
-                left = True
-                task.cancel()
-
-        watcher = asyncio.ensure_future(watch())
-        try:
+        async def write() -> None:
+            nonlocal sent
             await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
             async for event in events:
                 await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
             sent = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except asyncio.CancelledError:
-            if not left:
-                raise
-            task.uncancel()
+
+        try:
+            await cancelled_on_disconnect(write(), receive, lambda: sent)
         finally:
-            watcher.cancel()
             self.release(answer)
 
     async def whole(self, answer: Answer, events: AsyncIterator[str], receive: Receive, chat: bool) -> JSONResponse:

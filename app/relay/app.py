@@ -28,6 +28,7 @@ from app.relay.openapi import document_bodies
 from app.relay.relay import Relay, ResponseSink
 from app.relay.table import TableView
 from app.relay.upstream import EngineUnreachable, StreamCut, request_head
+from common.disconnect import cancelled_on_disconnect
 from common.heartbeat import Heartbeat, beside
 from engine.protocol import ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse
 
@@ -84,26 +85,7 @@ class RelayApp:
     async def _serve(self, request: InFlight, sink: ResponseSink, receive: Receive) -> None:
         """The relay, cancelled when the client disconnects (uvicorn's ``receive`` says so): that closes the
         engine's connection, and the engine stops generating for it."""
-        task = asyncio.current_task()
-        assert task is not None
-        left: list[bool] = []
-
-        async def watch() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            if not sink.complete:  # uvicorn also says "disconnect" once the response has been sent
-                left.append(True)
-                task.cancel()
-
-        watcher = asyncio.ensure_future(watch())
-        try:
-            await self.relay.serve(request, sink)
-        except asyncio.CancelledError:
-            if not left:
-                raise
-            task.uncancel()
-        finally:
-            watcher.cancel()
+        await cancelled_on_disconnect(self.relay.serve(request, sink), receive, lambda: sink.complete)
 
     async def _refuse(self, sink: ResponseSink, route: str, status: int, message: str,
                       kind: str = "invalid_request_error", param: str | None = None) -> None:  # fmt: skip
