@@ -285,13 +285,21 @@ def test_bad_requests_get_openai_errors(worker: Worker) -> None:
             sent = [client.post(path, json=body) for path, body, _, _ in BAD_REQUESTS]
             headers = {"content-type": "application/json"}
             sent.append(client.post("/v1/chat/completions", content=b"{not json", headers=headers))
+            # JSON that Python's parser takes and pydantic's does not (the route reads it as FastAPI did): a lone
+            # surrogate escape, which the prompt checks name; NaN, which the field's validation refuses.
+            lone = b'{"prompt": "Hi \\ud800 there", "max_tokens": 2}'
+            sent.append(client.post("/v1/completions", content=lone, headers=headers))
+            nan = b'{"prompt": "Hi", "temperature": NaN}'
+            sent.append(client.post("/v1/completions", content=nan, headers=headers))
             return await asyncio.gather(*sent)
 
     responses = asyncio.run(run())
     for (path, body, status, word), response in zip(BAD_REQUESTS, responses, strict=False):
         error = assert_openai_error(response, status, word)
         assert error["type"] == "invalid_request_error", (path, body, error)
-    assert_openai_error(responses[-1], 400, "JSON")
+    assert_openai_error(responses[-3], 400, "JSON")
+    assert_openai_error(responses[-2], 400, "not valid Unicode")
+    assert assert_openai_error(responses[-1], 400, "temperature")["param"] == "temperature"
 
 
 async def _wait_until_idle(client: httpx.AsyncClient, seconds: float) -> dict[str, Any]:
