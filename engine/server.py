@@ -500,11 +500,13 @@ class EngineApp:
         self.rest = rest
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        route = GENERATION.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        route = GENERATION.get(scope["path"]) if scope["type"] == "http" else None
         if route is None:
             await self.rest(scope, receive, send)
             return
         try:
+            if scope["method"] != "POST":
+                raise ApiError(405, f"{scope['method']} is not allowed here: POST a request")
             response = await self.generate(route, scope, receive, send)
         except ApiError as exc:
             response = error_response(exc)

@@ -291,15 +291,17 @@ def test_bad_requests_get_openai_errors(worker: Worker) -> None:
             sent.append(client.post("/v1/completions", content=lone, headers=headers))
             nan = b'{"prompt": "Hi", "temperature": NaN}'
             sent.append(client.post("/v1/completions", content=nan, headers=headers))
+            sent.append(client.get("/v1/chat/completions"))
             return await asyncio.gather(*sent)
 
     responses = asyncio.run(run())
     for (path, body, status, word), response in zip(BAD_REQUESTS, responses, strict=False):
         error = assert_openai_error(response, status, word)
         assert error["type"] == "invalid_request_error", (path, body, error)
-    assert_openai_error(responses[-3], 400, "JSON")
-    assert_openai_error(responses[-2], 400, "not valid Unicode")
-    assert assert_openai_error(responses[-1], 400, "temperature")["param"] == "temperature"
+    assert_openai_error(responses[-4], 400, "JSON")
+    assert_openai_error(responses[-3], 400, "not valid Unicode")
+    assert assert_openai_error(responses[-2], 400, "temperature")["param"] == "temperature"
+    assert_openai_error(responses[-1], 405, "POST")
 
 
 async def _wait_until_idle(client: httpx.AsyncClient, seconds: float) -> dict[str, Any]:
