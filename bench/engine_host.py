@@ -268,67 +268,65 @@ def main() -> None:
             time.sleep(0.1)
         if args.burst:
             vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-            asyncio.run(bursts(socket_path, args.burst, 1, args.prompt_len, args.max_tokens, vocab))  # warm
-            before = thread_cpu(proc.pid) or {}
-            rounds = asyncio.run(bursts(socket_path, args.burst, args.rounds, args.prompt_len, args.max_tokens, vocab,
-                                        args.resumed))  # fmt: skip
-            after = thread_cpu(proc.pid) or {}
-    finally:
-        if args.burst:
-            proc.terminate()
-            proc.wait(60)
-    if args.burst:
-        requests = args.burst * args.rounds
-
-        def quantiles(which: int) -> dict[str, float]:
-            every = sorted(t[which] for r in rounds for t in r)
-            return {q: round(1e3 * every[int(f * (len(every) - 1))], 1) for q, f in (("p50", 0.5), ("p90", 0.9),
-                                                                                    ("max", 1.0))}  # fmt: skip
-
-        burst = {"burst": args.burst, "rounds": args.rounds, "prompt_len": args.prompt_len, "resumed": args.resumed,
-                 "max_tokens": args.max_tokens, "step_ms": args.step_ms, "token_us": args.token_us,
-                 "admitted_ms": quantiles(0), "first_token_ms": quantiles(1),
-                 "last_admitted_ms_per_round": [round(1e3 * max(t[0] for t in r), 1) for r in rounds],
-                 "last_first_token_ms_per_round": [round(1e3 * max(t[1] for t in r), 1) for r in rounds],
-                 "cpu_us_per_request": {k: round((after.get(k, 0) - before.get(k, 0)) / requests * 1e6, 1)
-                                        for k in after},
-                 "cpu_count": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}  # fmt: skip
-        print(json.dumps(burst))
-        print_profile(profile)
-        if args.out:
-            args.out.write_text(json.dumps(burst, indent=1) + "\n")
-        return
-    try:
-        extra = {"logprobs": args.logprobs} if args.logprobs is not None else {}
-        asyncio.run(load(socket_path, args.streams, 2.0, args.max_tokens, extra))  # warm: every stream once
-        before, client = thread_cpu(proc.pid) or {}, time.process_time()
-        gpu_before = json.loads(Path(socket_path + GAPS_FILE).read_text())
-        log_offset = (tmp / "worker.log").stat().st_size
-        ttfts: list[float] = []
-        tokens, wall = asyncio.run(load(socket_path, args.streams, args.seconds, args.max_tokens, extra, ttfts))
-        after, client = thread_cpu(proc.pid) or {}, time.process_time() - client
-        gpu_after = json.loads(Path(socket_path + GAPS_FILE).read_text())
-        stats_lines = [line for line in (tmp / "worker.log").read_text()[log_offset:].splitlines()
-                       if "event=engine_stats" in line]  # fmt: skip
+            result = measure_bursts(args, socket_path, proc.pid, vocab)
+        else:
+            result = measure_streams(args, socket_path, proc.pid, tmp / "worker.log")
     finally:
         proc.terminate()
         proc.wait(60)
-    steps, busy, idle = (gpu_after[k] - gpu_before[k] for k in ("steps", "busy", "idle"))
-    per_token = {k: round((after.get(k, 0) - before.get(k, 0)) / tokens * 1e6, 2) for k in after}
-    result = {"streams": args.streams, "logprobs": args.logprobs, "step_ms": args.step_ms, "seconds": round(wall, 1),
-              "tokens": tokens,
-              "tok_s": round(tokens / wall), "ideal_tok_s": round(args.streams / args.step_ms * 1e3),
-              "ttft_ms": {q: round(1e3 * sorted(ttfts)[int(f * (len(ttfts) - 1))], 1)
-                          for q, f in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))},
-              "cpu_us_per_token": per_token, "gpu_idle": round(idle / (idle + busy), 3),
-              "step_wall_ms": round((idle + busy) / steps * 1e3, 2),
-              "engine_device_idle": [float(m) for line in stats_lines for m in DEVICE_IDLE.findall(line)],
-              "client_cores": round(client / wall, 2), "cpu_count": os.cpu_count(),
-              "date": time.strftime("%Y-%m-%d")}  # fmt: skip
+    result.update(cpu_count=os.cpu_count(), date=time.strftime("%Y-%m-%d"))
     print(json.dumps(result))
     print_profile(profile)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+def quantiles(samples: list[float], points: dict[str, float]) -> dict[str, float]:
+    """Milliseconds at each named fraction of the sorted samples (seconds)."""
+    ordered = sorted(samples)
+    return {q: round(1e3 * ordered[int(f * (len(ordered) - 1))], 1) for q, f in points.items()}
+
+
+def measure_bursts(args: argparse.Namespace, socket_path: str, pid: int, vocab: int) -> dict[str, Any]:
+    asyncio.run(bursts(socket_path, args.burst, 1, args.prompt_len, args.max_tokens, vocab))  # warm
+    before = thread_cpu(pid) or {}
+    rounds = asyncio.run(bursts(socket_path, args.burst, args.rounds, args.prompt_len, args.max_tokens, vocab,
+                                args.resumed))  # fmt: skip
+    after = thread_cpu(pid) or {}
+    requests = args.burst * args.rounds
+    points = {"p50": 0.5, "p90": 0.9, "max": 1.0}
+    return {"burst": args.burst, "rounds": args.rounds, "prompt_len": args.prompt_len, "resumed": args.resumed,
+            "max_tokens": args.max_tokens, "step_ms": args.step_ms, "token_us": args.token_us,
+            "admitted_ms": quantiles([t[0] for r in rounds for t in r], points),
+            "first_token_ms": quantiles([t[1] for r in rounds for t in r], points),
+            "last_admitted_ms_per_round": [round(1e3 * max(t[0] for t in r), 1) for r in rounds],
+            "last_first_token_ms_per_round": [round(1e3 * max(t[1] for t in r), 1) for r in rounds],
+            "cpu_us_per_request": {k: round((after.get(k, 0) - before.get(k, 0)) / requests * 1e6, 1)
+                                   for k in after}}  # fmt: skip
+
+
+def measure_streams(args: argparse.Namespace, socket_path: str, pid: int, worker_log: Path) -> dict[str, Any]:
+    extra = {"logprobs": args.logprobs} if args.logprobs is not None else {}
+    asyncio.run(load(socket_path, args.streams, 2.0, args.max_tokens, extra))  # warm: every stream once
+    before, client = thread_cpu(pid) or {}, time.process_time()
+    gpu_before = json.loads(Path(socket_path + GAPS_FILE).read_text())
+    log_offset = worker_log.stat().st_size
+    ttfts: list[float] = []
+    tokens, wall = asyncio.run(load(socket_path, args.streams, args.seconds, args.max_tokens, extra, ttfts))
+    after, client = thread_cpu(pid) or {}, time.process_time() - client
+    gpu_after = json.loads(Path(socket_path + GAPS_FILE).read_text())
+    stats_lines = [line for line in worker_log.read_text()[log_offset:].splitlines()
+                   if "event=engine_stats" in line]  # fmt: skip
+    steps, busy, idle = (gpu_after[k] - gpu_before[k] for k in ("steps", "busy", "idle"))
+    per_token = {k: round((after.get(k, 0) - before.get(k, 0)) / tokens * 1e6, 2) for k in after}
+    return {"streams": args.streams, "logprobs": args.logprobs, "step_ms": args.step_ms, "seconds": round(wall, 1),
+            "tokens": tokens,
+            "tok_s": round(tokens / wall), "ideal_tok_s": round(args.streams / args.step_ms * 1e3),
+            "ttft_ms": quantiles(ttfts, {"p50": 0.5, "p90": 0.9, "p99": 0.99}),
+            "cpu_us_per_token": per_token, "gpu_idle": round(idle / (idle + busy), 3),
+            "step_wall_ms": round((idle + busy) / steps * 1e3, 2),
+            "engine_device_idle": [float(m) for line in stats_lines for m in DEVICE_IDLE.findall(line)],
+            "client_cores": round(client / wall, 2)}  # fmt: skip
 
 
 def print_profile(profile: Path | None) -> None:

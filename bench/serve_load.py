@@ -520,9 +520,13 @@ def cpu_seconds(pid: int | None) -> float | None:
     if pid is None:
         return None
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        return _stat_cpu(Path(f"/proc/{pid}/stat").read_text())
     except OSError:
         return None
+
+
+def _stat_cpu(stat: str) -> float:
+    """utime + stime, in seconds, of a /proc .../stat line (a process's or a thread's)."""
     fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": fields from 3 (state) on
     return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime: fields 14 and 15
 
@@ -537,12 +541,11 @@ def thread_cpu(pid: int | None) -> dict[str, float] | None:
         return None
     for task in tasks:
         try:
-            name = (task / "comm").read_text().strip()
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            name, seconds = (task / "comm").read_text().strip(), _stat_cpu((task / "stat").read_text())
         except OSError:  # the thread ended
             continue
         key = "engine" if name == ENGINE_THREAD_NAME else "loop" if int(task.name) == pid else "other"
-        out[key] += (int(fields[11]) + int(fields[12])) / CLK_TCK
+        out[key] += seconds
     return out if tasks else None
 
 

@@ -470,7 +470,7 @@ def _parse(kind: type[GenerationRequest], body: bytes) -> GenerationRequest:
         return kind.model_validate_json(body)
     except ValidationError as exc:
         if not any(e["type"] == "json_invalid" for e in exc.errors()):
-            raise _invalid_request(exc) from None
+            raise _invalid_request(exc.errors()) from None
     try:
         payload = json.loads(body)
     except ValueError as exc:  # not JSON, or not UTF-8
@@ -478,11 +478,12 @@ def _parse(kind: type[GenerationRequest], body: bytes) -> GenerationRequest:
     try:
         return kind.model_validate(payload)
     except ValidationError as exc:
-        raise _invalid_request(exc) from None
+        raise _invalid_request(exc.errors()) from None
 
 
-def _invalid_request(exc: ValidationError) -> ApiError:
-    message, param = _validation_message(exc.errors())
+def _invalid_request(errors: Sequence[Any]) -> ApiError:
+    """The 400 for a request that failed validation (pydantic's or FastAPI's errors)."""
+    message, param = _validation_message(errors)
     return ApiError(400, message, param=param)
 
 
@@ -550,8 +551,7 @@ def create_app(engine: ServingEngine, tokenizer: ChatTokenizer) -> EngineApp:
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         # OpenAI answers 400 for any invalid request; FastAPI's default is 422.
-        message, param = _validation_message(exc.errors())
-        return error_response(ApiError(400, message, param=param))
+        return error_response(_invalid_request(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
