@@ -93,20 +93,20 @@ def test_cuda_graph_decode_equals_eager(tmp_path: Path) -> None:
 
 
 def test_mixed_steps_above_the_largest_graph_run_eagerly_and_equal_a_graphless_engine(tmp_path: Path) -> None:
-    """Mixed steps of more than MAX_MIXED_GRAPH_TOKENS tokens have no graph: a 1,500-token prompt's step runs
-    eagerly beside graphed decode steps, with the same tokens as an engine without graphs."""
+    """Mixed steps of more than MAX_MIXED_GRAPH_TOKENS tokens have no graph: a 3,000-token prompt's step (budget
+    4,096) runs eagerly beside graphed decode steps, with the same tokens as an engine without graphs."""
     from engine.config import EngineConfig
     from engine.native.llm_engine import LLMEngine
     from engine.native.model_runner import MAX_MIXED_GRAPH_TOKENS
     from engine.sampling_params import SamplingParams
 
     path = synth_checkpoint(tmp_path / "q", "qwen3-0.6b", "fp8-block", num_layers=2, device="cuda", progress=False)
-    prompts = [[(7 * i) % 5000 + 3 for i in range(1500)], [11, 12] * 150, [3] * 40]
+    prompts = [[(7 * i) % 5000 + 3 for i in range(3000)], [11, 12] * 150, [3] * 40]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    configs = {"max_num_seqs": 4, "max_model_len": 2048, "max_num_batched_tokens": 2048}
+    configs = {"max_num_seqs": 4, "max_model_len": 4096, "max_num_batched_tokens": 4096}
     graphed = LLMEngine(EngineConfig(model=path, device="cuda", kv_cache_bytes=KV_BYTES, **configs))
     assert max(graphed.runner.mixed_sizes) == MAX_MIXED_GRAPH_TOKENS
-    assert ("mixed", 2048) not in graphed.runner.graphs
+    assert ("mixed", 4096) not in graphed.runner.graphs
     a = graphed.generate(prompts, params)
     eager = LLMEngine(EngineConfig(model=path, device="cuda", kv_cache_bytes=KV_BYTES, cuda_graphs=False, **configs))
     assert a == eager.generate(prompts, params)

@@ -11,10 +11,10 @@ the mechanism on the H200: 2 MiB held for a reserved 8 GB cache, 68 ms to map 8 
 captured before the remap replay correctly after it.
 
 At that rate a cache planned from the device (tens of GB) would take hundreds of milliseconds to map, on the
-path of a crash's first token. So the cache is committed in stripes of blocks: the first (``FIRST_BYTES``, a full
-step's worth of positions) when the cache is made, the rest once the engine is activated, in the background while
+path of a crash's first token. So the cache is committed in stripes of blocks: the first (``FIRST_BYTES``, the first
+steps' positions) when the cache is made, the rest once the engine is activated, in the background while
 it serves, in stripes of ``STRIPE_BYTES`` then twice as large each time up to ``MAX_STRIPE_BYTES``, each stripe's
-blocks handed to the scheduler once mapped and zeroed. A standby thus holds its first stripe (256 MiB for
+blocks handed to the scheduler once mapped and zeroed. A standby thus holds its first stripe (128 MiB for
 Llama-3-8B) and its activation maps nothing: after a kill -9 on the H200 the driver tears the dead engine down for
 ~0.1 s, and an activation that mapped the first 2 GiB then took 63-105 ms (13-24 ms otherwise); the first steps
 now run on the first stripe while the next is mapped. A stripe of blocks is one range per layer of
@@ -47,7 +47,7 @@ from common import cuda_vmm
 from common.events import log_event
 
 log = logging.getLogger("warmgate.engine.kv_memory")
-FIRST_BYTES = 256 << 20  # committed with the reservation: 2,048 positions of Llama-3-8B, one step's budget
+FIRST_BYTES = 128 << 20  # committed with the reservation: 1,024 positions of Llama-3-8B (a standby's share of 1.5 GiB)
 STRIPE_BYTES = 2 << 30  # the second stripe, committed first once activated: 16k positions of Llama-3-8B
 # Past the first, stripes double up to this: each stripe is one allocation per layer of keys and of values, and the
 # driver frees thousands of them slowly when the engine dies (57 GB as 3,648 allocations: kill -9 to the exit 0.31 s

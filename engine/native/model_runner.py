@@ -36,10 +36,11 @@ def decode_buckets(max_seqs: int) -> list[int]:
     return sorted(s for s in sizes if s <= max_seqs)
 
 
-# Mixed steps above this many tokens run eagerly: the device's time on them (2,048 tokens of Llama-3-8B FP8 on the
-# H200: 41 ms, docs/benchmarks.md's step profile) dwarfs launching their kernels one by one, while their graphs cost
-# the fork path an eager warm-up and a first launch at full size each, and the shared pool their activations.
-MAX_MIXED_GRAPH_TOKENS = 1024
+# Mixed steps above this many tokens run eagerly. Up to the default budget (2,048) they replay a graph: an eager
+# step of Llama-3-8B holds the GIL for its ~400 kernel launches (on the H200 at 64 streams, eager 2,048-token steps
+# were a third of the step loop's CPU: 47.5 -> 29.0 us a generated token with them graphed, docs/benchmarks.md), for
+# an activation pool ~80 MiB larger in every engine and standby and a larger eager warm-up on the fork path.
+MAX_MIXED_GRAPH_TOKENS = 2048
 
 
 def mixed_buckets(max_tokens: int) -> list[int]:
