@@ -268,6 +268,69 @@ def test_an_activation_asked_while_the_engine_serves_is_answered_between_steps(d
     assert allocator.free == engine.kv_blocks_total
 
 
+def test_sequences_short_of_blocks_wait_for_the_stripes_on_their_way_instead_of_evicting_each_other(
+        demo_path, prompt_ids, monkeypatch) -> None:  # fmt: skip
+    """A promoted standby serves on its KV cache's first stripe while the others are committed: sequences that
+    outgrow it wait (the step loop sleeps, no busy loop) for the next stripe's blocks instead of preempting the
+    youngest, which would recompute it for a gap of milliseconds; the answers are an ordinary engine's. Once no more
+    blocks are coming, a sequence short of them evicts another again (the scheduler's incoming flag is cleared)."""
+    import time as _time
+
+    import engine.native.kv_memory as kv_memory
+
+    per_block = 2 * 30 * 16 * 3 * 64 * 4  # the demo: 30 layers, 3 KV heads of 64, fp32 on the CPU
+    for name in ("STRIPE_BYTES", "FIRST_BYTES", "MAX_STRIPE_BYTES"):
+        monkeypatch.setattr(kv_memory, name, 4 * per_block)
+    engine = _engine(demo_path("bf16"), reserve_kv=True, kv_cache_bytes=40 * per_block)  # 10 stripes
+    memory, scheduler = engine.kv.memory, engine.scheduler
+    assert len(memory.stripes) == 10
+    commit_next = memory.commit_next
+
+    def short() -> bool:  # a running sequence needs a block, and none is free
+        allocator = scheduler.allocator
+        return not allocator.free and any(allocator.needed(s.blocks, s.length) for s in list(scheduler.running))
+
+    def slow_commit(timeout, waiting=lambda: None):
+        deadline = _time.monotonic() + 3
+        while not memory.committed and not short() and _time.monotonic() < deadline:
+            _time.sleep(0.005)  # each stripe once a sequence is short of blocks (an engine that evicts never is)
+        _time.sleep(0.2)  # then as slow as one after a crash, while the driver tears the dead engine down
+        return commit_next(timeout, waiting)
+
+    memory.commit_next = slow_commit  # type: ignore[method-assign]
+    schedules = 0
+    schedule = scheduler.schedule
+
+    def counted():
+        nonlocal schedules
+        schedules += 1
+        return schedule()
+
+    scheduler.schedule = counted  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    prompts = [ids * 2 for ids in prompt_ids[:4]]  # 4 x (2 x 8-13 + 24) tokens: more blocks than the first stripe
+
+    async def serve() -> list[list[int]]:
+        engine.start()
+        await asyncio.wait_for(asyncio.wrap_future(engine.activate(5.0)), 30)
+        streams = [engine.submit(ids, params) for ids in prompts]
+        return [[e.token_id async for e in stream if e.token_id is not None] for stream in streams]
+
+    try:
+        served = asyncio.run(serve())
+        waited, steps = scheduler.preemptions, schedules
+        del memory.commit_next  # the rest at full speed
+        deadline = _time.monotonic() + 10
+        while scheduler.allocator.incoming() and _time.monotonic() < deadline:
+            _time.sleep(0.05)
+    finally:
+        engine.stop()
+    assert served == _engine(demo_path("bf16")).generate(prompts, params)
+    assert waited == 0
+    assert steps < 300, steps  # ~50 steps; a busy loop would schedule thousands of times in each 0.2 s wait
+    assert memory.committed and not scheduler.allocator.incoming()  # every stripe in: a shortage evicts again
+
+
 def test_overlapped_steps_feed_each_sequence_its_own_last_token(demo_path) -> None:
     """tests/overlap_check.py on the CPU, with the demo (its GPU twin is in tests/test_gpu.py)."""
     from overlap_check import check_overlapped_steps

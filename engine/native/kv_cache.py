@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -116,6 +117,9 @@ class BlockAllocator:
         self.hash_of: dict[int, bytes] = {}  # block -> the prefix hash it holds
         self.block_of: dict[bytes, int] = {}  # prefix hash -> the block holding it
         self.queried_tokens = self.hit_tokens = 0  # vLLM's prefix_cache_queries / prefix_cache_hits
+        # Whether more blocks are on their way (a reserved cache's stripes being committed, engine/native/kv_memory.py):
+        # a sequence short of blocks then waits for them rather than evicting another.
+        self.incoming: Callable[[], bool] = lambda: False
 
     @property
     def free(self) -> int:

@@ -145,6 +145,11 @@ class KVMemory:
         return self.stripes[self._done - 1][1] if self._done else 0
 
     @property
+    def short(self) -> bool:
+        """A commit is waiting for device memory (another engine still holds it): the next stripe may be long."""
+        return self._cuda is not None and self._cuda.short
+
+    @property
     def device_bytes(self) -> int:
         """Device memory held outside torch's allocator: a reserved cache's placeholder and committed stripes."""
         return 0 if self._cuda is None else self._cuda.held
@@ -190,6 +195,7 @@ class _Reserved:
                  headroom: int) -> None:  # fmt: skip
         cu = self.cu = cuda_vmm.driver()
         self.geometry, self.device, self.headroom = geometry, device, headroom
+        self.short = False  # a commit waits for the device to have the memory (another engine still holds it)
         self.prop = cuda_vmm.allocation_prop(cu, device, exportable=False)
         size = 2 * geometry.half
         granule = cuda_vmm.granularity(cu, self.prop)
@@ -260,7 +266,9 @@ class _Reserved:
         while True:
             if not self.headroom or not room or torch.cuda.mem_get_info(self.device)[0] - room >= self.headroom:
                 try:
-                    return cuda_vmm.check(cu.cuMemCreate(size, self.prop, 0))
+                    made = cuda_vmm.check(cu.cuMemCreate(size, self.prop, 0))
+                    self.short = False
+                    return made
                 except cuda_vmm.DriverError as exc:
                     if int(exc.code) != out_of_memory:
                         raise
@@ -269,6 +277,7 @@ class _Reserved:
                 kept = f", {_gb(self.headroom)} kept free besides," if self.headroom else ""
                 raise RuntimeError(f"the KV cache needs {need} of device memory{kept} and {_gb(free)} of "
                                    f"{_gb(total)} stayed free for {timeout:.0f} s")  # fmt: skip
+            self.short = True
             waiting()
             time.sleep(RETRY_S)
 

@@ -67,6 +67,8 @@ class LLMEngine(EngineThread[Sequence]):
         self._activations: list[tuple[Future[float], float]] = []  # asked for (activate), with their timeouts
         self._activated = False  # the KV cache's first stripes are committed
         self._grown: list[tuple[int, int]] = []  # blocks committed since in the background, not handed out yet
+        self._committing = False  # the background commit of a reserved cache's stripes is under way
+        self._starved = False  # the last step found nothing to do but wait for the blocks of a stripe on its way
         with self._phase("device_init"):
             self.device = resolve_device(config.device)
             if self.device.type == "cuda":
@@ -229,7 +231,8 @@ class LLMEngine(EngineThread[Sequence]):
         return not (self.scheduler.idle and self._launched is None and self._drawn is None)
 
     def _idle(self) -> bool:
-        return not self._stepping() and not self._activations and not self._grown
+        waits = not self._stepping() or (self._starved and self.scheduler.allocator.incoming())
+        return waits and not self._activations and not self._grown
 
     def _steps_on(self) -> bool:
         return self._stepping()  # and _step hands the events over, at the latest before it returns
@@ -271,6 +274,8 @@ class LLMEngine(EngineThread[Sequence]):
             if reserved:
                 self.scheduler.allocator.forget_cached()
                 self.scheduler.allocator.limit(memory.committed_blocks)
+                self._committing = True
+                self.scheduler.allocator.incoming = lambda: self._committing and not memory.short
                 threading.Thread(target=self._commit_rest, args=(timeout,), name="warmgate-kv-commit",
                                  daemon=True).start()  # fmt: skip
         for done, _ in activations:
@@ -285,6 +290,10 @@ class LLMEngine(EngineThread[Sequence]):
                     self._wake.notify()
         except Exception as exc:  # the engine serves on with the blocks it has
             log_warning(log, "kv_commit_stopped", error=exc, blocks=self.kv.memory.committed_blocks)
+        finally:
+            with self._wake:
+                self._committing = False  # no more blocks come: a sequence short of them evicts another again
+                self._wake.notify()
 
     def _fail(self, error: str) -> None:
         self._launched = self._drawn = None  # what they drew is lost: a waiting sequence draws it again
@@ -325,6 +334,9 @@ class LLMEngine(EngineThread[Sequence]):
             self._drawn = launched
         if step:
             self._launched = self._launch(step, launched)
+        # Nothing on the device and nothing to launch: the sequences wait for the blocks of a stripe on its way (the
+        # loop sleeps until it lands, a request comes, or the next heartbeat), not in a busy loop of empty steps.
+        self._starved = not step and launched is None and drawn is None
         self._outbox.flush()  # step N-1's events: the loop turns them into chunks while the device computes
 
     def _launch(self, step: list[Scheduled], before: _Launched | None) -> _Launched:

@@ -6,7 +6,9 @@ what is left of the budget, a long one in chunks over several steps. A sequence 
 blocks as it grows; when none are free, the most recently admitted running sequence is
 preempted: its blocks are freed and it waits again at the head of the queue, to be recomputed
 (prompt and the tokens generated so far) when blocks return. Its output so far is kept, so the
-client sees no difference.
+client sees no difference. While more blocks are on their way (a promoted standby's KV cache committed stripe
+by stripe), a sequence short of blocks waits for them instead: nothing is evicted and recomputed for a gap of
+milliseconds.
 
 With prefix caching (engine/native/kv_cache.py), a sequence admitted takes the cached blocks of its longest
 cached prefix of full blocks and computes only the rest (at least its last token, whose logits it samples
@@ -132,6 +134,8 @@ class Scheduler:
                 continue
             count = min(seq.length - seq.computed, budget)
             while not self.allocator.grow(seq.blocks, seq.computed + count):
+                if self.allocator.incoming():  # blocks are on their way: it waits a step for them, evicting no one
+                    break
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is seq:
@@ -139,6 +143,7 @@ class Scheduler:
             else:
                 step.append(Scheduled(seq, seq.computed, count))
                 budget -= count
+            if i < len(self.running) and self.running[i] is seq:  # not preempted: on to the next
                 i += 1
         if self.preemptions > preempted:  # blocks ran short: no one new comes in (nor does a victim come back)
             return step
