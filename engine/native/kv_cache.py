@@ -132,6 +132,8 @@ class BlockAllocator:
 
     def grow(self, table: list[int], tokens: int) -> bool:
         """Extend ``table`` in place to hold ``tokens`` positions; False (nothing taken) if blocks are short."""
+        if tokens <= len(table) * self.block_size:  # most steps of a decoding sequence
+            return True
         n = self.needed(table, tokens)
         if n > self.free:
             return False

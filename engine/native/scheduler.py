@@ -64,12 +64,6 @@ class Sequence:
         return len(self.prompt) + len(self.output) + self.pending
 
     @property
-    def waits(self) -> bool:
-        """Running, it has nothing to compute until its tokens on the device are read: its prompt is in the cache
-        and only scored (nothing is drawn), or its last token is being drawn (no step would draw one after it)."""
-        return self.computed >= self.length or (self.pending > 0 and self.length >= self.limit)
-
-    @property
     def known(self) -> int:
         """Its tokens the host has read."""
         return len(self.prompt) + len(self.output)
@@ -95,18 +89,16 @@ class Sequence:
         return self.hashes
 
 
-@dataclass(frozen=True)
 class Scheduled:
     """One sequence's share of a step: tokens computed..computed+count-1; sampled when they reach its end (as it
-    stands when the step is scheduled: ``samples`` is read before the step's token is appended)."""
+    stands when the step is scheduled: ``samples`` is read before the step's token is appended). A plain class
+    with slots: one is made per sequence per step, on the step loop's path."""
 
-    seq: Sequence
-    start: int
-    count: int
-    samples: bool = field(init=False)
+    __slots__ = ("count", "samples", "seq", "start")
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "samples", self.start + self.count == self.seq.length)
+    def __init__(self, seq: Sequence, start: int, count: int) -> None:
+        self.seq, self.start, self.count = seq, start, count
+        self.samples = start + count == seq.length
 
 
 class Scheduler:
@@ -129,10 +121,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:  # victims leave from the end of the list
             seq = self.running[i]
-            if seq.waits:
+            length = seq.length
+            # Nothing to compute until its tokens on the device are read: its prompt is in the cache and only scored
+            # (nothing is drawn), or its last token is being drawn (no step would draw one after it).
+            if seq.computed >= length or (seq.pending > 0 and length >= seq.limit):
                 i += 1
                 continue
-            count = min(seq.length - seq.computed, budget)
+            count = min(length - seq.computed, budget)
             while not self.allocator.grow(seq.blocks, seq.computed + count):
                 if self.allocator.incoming():  # blocks are on their way: it waits a step for them, evicting no one
                     break
@@ -186,6 +181,8 @@ class Scheduler:
         """Tell the prefix cache about the sequence's blocks that are computed, full, and whose tokens the host
         knows (a block whose last token is still pending is remembered once that token is read)."""
         size = self.allocator.block_size
+        if seq.computed // size <= seq.remembered:  # no block filled since (most calls: twice a step a sequence)
+            return
         full = min(seq.computed, seq.known) // size
         if full > seq.remembered and self.allocator.prefix_caching and not seq.finished:
             hashes = seq.block_hashes(full, size)  # a decode step fills one block in block_size
