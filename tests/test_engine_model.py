@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from processes import wait_for
 
 from cache.checkpoint.reader import read_checkpoint
 from cache.checkpoint.synth import SHAPES, synth_checkpoint
@@ -268,6 +269,9 @@ def test_an_activation_asked_while_the_engine_serves_is_answered_between_steps(d
     assert allocator.free == engine.kv_blocks_total
 
 
+SLOW_STRIPE_S = 0.2
+
+
 def test_sequences_short_of_blocks_wait_for_the_stripes_on_their_way_instead_of_evicting_each_other(
         demo_path, prompt_ids, monkeypatch) -> None:  # fmt: skip
     """A promoted standby serves on its KV cache's first stripe while the others are committed: sequences that
@@ -291,10 +295,14 @@ def test_sequences_short_of_blocks_wait_for_the_stripes_on_their_way_instead_of_
         return not allocator.free and any(allocator.needed(s.blocks, s.length) for s in list(scheduler.running))
 
     def slow_commit(timeout, waiting=lambda: None):
+        # Each stripe once a sequence is short of blocks (an engine that evicts never is; the commit thread polls:
+        # a failure here would end the thread, not the test, so no wait_for), then SLOW_STRIPE_S later: the fault
+        # injected, a stripe as slow as one after a crash while the driver tears the dead engine down, the window
+        # in which a busy loop would show.
         deadline = _time.monotonic() + 3
         while not memory.committed and not short() and _time.monotonic() < deadline:
-            _time.sleep(0.005)  # each stripe once a sequence is short of blocks (an engine that evicts never is)
-        _time.sleep(0.2)  # then as slow as one after a crash, while the driver tears the dead engine down
+            _time.sleep(0.005)
+        _time.sleep(SLOW_STRIPE_S)
         return commit_next(timeout, waiting)
 
     memory.commit_next = slow_commit  # type: ignore[method-assign]
@@ -320,14 +328,12 @@ def test_sequences_short_of_blocks_wait_for_the_stripes_on_their_way_instead_of_
         served = asyncio.run(serve())
         waited, steps = scheduler.preemptions, schedules
         del memory.commit_next  # the rest at full speed
-        deadline = _time.monotonic() + 10
-        while scheduler.allocator.incoming() and _time.monotonic() < deadline:
-            _time.sleep(0.05)
+        wait_for(lambda: not scheduler.allocator.incoming(), 10, "the last stripe committed")
     finally:
         engine.stop()
     assert served == _engine(demo_path("bf16")).generate(prompts, params)
     assert waited == 0
-    assert steps < 300, steps  # ~50 steps; a busy loop would schedule thousands of times in each 0.2 s wait
+    assert steps < 300, steps  # ~50 steps; a busy loop would schedule thousands of times in each slow stripe
     assert memory.committed and not scheduler.allocator.incoming()  # every stripe in: a shortage evicts again
 
 
