@@ -126,8 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engine.add_argument("--heartbeat", type=Path, help="a heartbeat file (made by the supervisor) to stamp while "
                         "the engine makes progress: its liveness signal")  # fmt: skip
-    engine.add_argument("--lifeline", type=Path, help="the supervisor's lifeline socket, held open for the engine's "
-                        "life: its death is seen there before its exit (common/lifeline.py)")  # fmt: skip
+    engine.add_argument("--lifeline", type=Path, help="a lifeline file (made by the supervisor) whose lock the "
+                        "engine holds for its life: its death is seen there at once (common/lifeline.py)")  # fmt: skip
     engine.set_defaults(run=_engine)
 
     relay = commands.add_parser("relay", help=argparse.SUPPRESS)  # started by `warmgate serve`, one per worker
@@ -290,7 +290,7 @@ def _cache(args: argparse.Namespace) -> None:
 
 
 def _engine(args: argparse.Namespace) -> None:
-    if args.lifeline is not None:  # first: before anything opens the CUDA driver's files
+    if args.lifeline is not None:  # first, in the main thread (it holds the lock until the process ends)
         from common.lifeline import hold
 
         hold(args.lifeline)

@@ -1,6 +1,7 @@
-"""How long a kill -9'd CUDA process takes to be seen dead, by its memory: from the kill to (a) EOF on a socket
-the child holds at a low fd (closed before the CUDA driver's files, which are opened later) and (b) the pidfd
-saying it exited. Modes: torch.empty of N GB (one allocation), or VMM: N GB as `pieces` allocations mapped.
+"""How long a kill -9'd CUDA process takes to be seen dead, by its memory: from the kill to (a) its lifeline
+(common/lifeline.py: a robust mutex it holds, released as its threads begin to exit), (b) EOF on a socket the child
+holds at a low fd (closed before the CUDA driver's files, which are opened later) and (c) the pidfd saying it
+exited. Modes: torch.empty of N GB (one allocation), or VMM: N GB as `pieces` allocations mapped.
 
     PYTHONPATH=/tmp/site:$PWD python3 bench/kill_exit_probe.py    # on the device machine (H200)
 """
@@ -10,12 +11,18 @@ import select
 import signal
 import socket
 import sys
+import tempfile
+import threading
 import time
+from pathlib import Path
 
 sys.path.insert(0, os.getcwd())
 
+from common import lifeline
 
-def child(sock: socket.socket, mode: str, gb: int, pieces: int) -> None:
+
+def child(sock: socket.socket, mode: str, gb: int, pieces: int, life: Path) -> None:
+    lifeline.hold(life)
     import torch
 
     torch.cuda.init()
@@ -43,17 +50,27 @@ def child(sock: socket.socket, mode: str, gb: int, pieces: int) -> None:
 
 
 def run(mode: str, gb: int, pieces: int) -> dict:
+    life = Path(tempfile.mkdtemp()) / "probe.life"
+    lifeline.create(life)
     parent, kid = socket.socketpair()
     pid = os.fork()
     if pid == 0:
         parent.close()
         try:
-            child(kid, mode, gb, pieces)
+            child(kid, mode, gb, pieces, life)
         finally:
             os._exit(0)
     kid.close()
     info = json.loads(parent.recv(1 << 20).decode())
     pidfd = os.pidfd_open(pid)
+    cut: list[float] = []
+
+    def watch() -> None:
+        if lifeline._wait(life, threading.Event()):
+            cut.append(time.perf_counter())
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
     time.sleep(0.5)
     t0 = time.perf_counter()
     os.kill(pid, signal.SIGKILL)
@@ -71,12 +88,14 @@ def run(mode: str, gb: int, pieces: int) -> dict:
                 exited = now
                 poll.unregister(pidfd)
     os.waitpid(pid, 0)
+    watcher.join()
+    life.unlink()
     nvidia = [f for f, t in info["fds"].items() if "nvidia" in t]
     return {"mode": mode, "gb": gb, "pieces": pieces, "lifeline_fd": info["lifeline_fd"],
             "nvidia_fds": f"{min(nvidia, key=int)}..{max(nvidia, key=int)} ({len(nvidia)})" if nvidia else "",
-            "eof_s": round(eof, 4), "exit_s": round(exited, 4)}
+            "lifeline_s": round(cut[0] - t0, 4) if cut else None, "eof_s": round(eof, 4), "exit_s": round(exited, 4)}
 
 
 if __name__ == "__main__":
-    for mode, gb, pieces in [("torch", 8, 1), ("torch", 57, 1), ("vmm", 57, 3648), ("vmm", 57, 64)]:
+    for mode, gb, pieces in [("torch", 8, 1), ("torch", 57, 1), ("vmm", 57, 64)]:
         print(json.dumps(run(mode, gb, pieces)), flush=True)

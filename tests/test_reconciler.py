@@ -113,9 +113,6 @@ class FakeLauncher:
         assert engine.process is not None
         return await engine.process.wait()
 
-    def close(self) -> None:
-        pass
-
     def announce(self, engine: Engine) -> None:
         self.log.append((engine.state.value, engine.id))
 

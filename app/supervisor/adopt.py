@@ -47,6 +47,7 @@ async def adopt_engines(earlier: GatewayState | None, launcher: WorkerLauncher, 
         except (ProcessLookupError, PermissionError):
             record.socket.unlink(missing_ok=True)  # it died meanwhile: what it left
             record.heartbeat_path.unlink(missing_ok=True)
+            record.socket.with_suffix(".life").unlink(missing_ok=True)  # its lifeline (Engine.lifeline_path)
             continue
         engine = Engine(record.id, record.socket, record.log_path, record.heartbeat_path, record.config,
                         process=process, path=record.path)  # fmt: skip

@@ -85,6 +85,11 @@ class Engine:
         return self.process.pid if self.process is not None else None
 
     @property
+    def lifeline_path(self) -> Path:
+        """Its lifeline (common/lifeline.py): beside its socket, as its heartbeat."""
+        return self.socket.with_suffix(".life")
+
+    @property
     def running(self) -> bool:
         return self.state in _RUNNING
 

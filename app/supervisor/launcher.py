@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -24,9 +23,9 @@ from app.supervisor.engines import Engine, EngineStartError, RestartReport, Work
 from app.supervisor.forks import ForkServer, ForkServerUnavailable
 from app.supervisor.logs import last_error
 from app.supervisor.terminate import terminate
+from common import lifeline
 from common.events import log_event
 from common.heartbeat import Heartbeat
-from common.lifeline import Lifelines
 from engine.protocol import ActivateRequest, DrainRequest, HealthResponse
 
 log = logging.getLogger("warmgate.supervisor.launcher")
@@ -62,9 +61,6 @@ class Launcher(Protocol):
     async def gone(self, engine: Engine) -> int | None:
         """Once the engine's process is dead: its exit code, or None when its death is seen before its exit."""
 
-    def close(self) -> None:
-        """Stop listening for anything engines connect to."""
-
     def announce(self, engine: Engine) -> None:
         """Tell the engine its state (it shows it in its process title)."""
 
@@ -75,7 +71,6 @@ class WorkerLauncher:
     def __init__(self, forker: ForkServer | None) -> None:
         self.forker = forker
         self._clients: dict[int, httpx.AsyncClient] = {}
-        self.lifelines = Lifelines()
 
     def _http(self, engine: Engine) -> httpx.AsyncClient:
         client = self._clients.get(engine.id)
@@ -88,9 +83,9 @@ class WorkerLauncher:
     async def start(self, engine: Engine, report: RestartReport, timeout: float) -> None:
         t = time.perf_counter()
         Heartbeat.create(engine.heartbeat_path).close()
-        lifeline = await self.lifelines.listen(engine.socket.parent / f"lifeline-{os.getpid()}.sock")
+        lifeline.create(engine.lifeline_path)
         argv = ["engine", "--socket", str(engine.socket), "--heartbeat", str(engine.heartbeat_path),
-                "--lifeline", str(lifeline), "--config", engine.config.model_dump_json()]  # fmt: skip
+                "--lifeline", str(engine.lifeline_path), "--config", engine.config.model_dump_json()]  # fmt: skip
         engine.process, engine.path = await self._launch(argv, engine.log_path)
         report.phases["spawn"] = time.perf_counter() - t
         try:
@@ -151,16 +146,12 @@ class WorkerLauncher:
     async def gone(self, engine: Engine) -> int | None:
         assert engine.process is not None and engine.pid is not None
         exited = asyncio.ensure_future(engine.process.wait())
-        cut = asyncio.ensure_future(self.lifelines.cut(engine.pid))
+        cut = asyncio.ensure_future(lifeline.cut(engine.lifeline_path))
         try:
             await asyncio.wait({exited, cut}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             cut.cancel()
-            self.lifelines.forget(engine.pid)
         return exited.result() if exited.done() else None
-
-    def close(self) -> None:
-        self.lifelines.close()
 
     async def retire(self, engine: Engine, drain_timeout: float) -> None:
         with contextlib.suppress(httpx.HTTPError, TimeoutError):
@@ -176,6 +167,7 @@ class WorkerLauncher:
             await client.aclose()
         engine.socket.unlink(missing_ok=True)  # a killed worker cannot remove it itself
         engine.heartbeat_path.unlink(missing_ok=True)
+        engine.lifeline_path.unlink(missing_ok=True)
 
     def announce(self, engine: Engine) -> None:
         with contextlib.suppress(OSError, ValueError):  # its file is gone: it is being stopped

@@ -271,7 +271,6 @@ class Reconciler:
         """Stop the loop and its tasks, and (``stop_engines``) every engine; without, they serve on for the next
         supervisor to adopt."""
         self._closing = True
-        self.launcher.close()
         if self._loop_task is not None:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
