@@ -64,6 +64,12 @@ def preload(backend: str = "native") -> float:
 
         engine.vllm.engine.import_vllm()
     engine.grammar.load_xgrammar()  # structured outputs; it imports transformers: ~4 s on two cores
+    if backend == "native":
+        from engine.native.kernels import preload_triton
+
+        preload_triton()
+    with contextlib.suppress(ImportError):  # FastAPI imports it while it builds an app's routes (~0.05 s)
+        import pydantic.v1  # noqa: F401
     assert not torch.cuda.is_initialized(), "the fork server must not touch CUDA"
     assert threading.active_count() == 1, f"the fork server must not run threads: {threading.enumerate()}"
     return time.perf_counter() - t

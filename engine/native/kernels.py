@@ -6,6 +6,7 @@ Each kernel takes activations [M, K] and the processed tensors of one layer and 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 
@@ -117,3 +118,31 @@ def kernel_for(recipe: LinearRecipe) -> Kernel:
             f"weights were processed for kernel {recipe.kernel!r}, which this engine does not implement "
             f"(known: {', '.join(KERNELS)})"
         ) from None
+
+
+TRITON_MODULES = ("engine.native.fused_ops", "engine.native.triton_fp8", "engine.native.triton_attention",
+                  "engine.native.triton_logprobs")  # fmt: skip
+
+
+def preload_triton() -> None:
+    """Triton's once-per-process work that needs no device, done by the fork server before it forks, so that every
+    engine it forks inherits it: our Triton modules, the hash of Triton's own sources and library that every kernel's
+    cache key includes, the Gluon modules its first launch imports, and each of our kernels' source hash. py-spy of
+    the fork path on the H200 (docs/benchmarks.md): ~0.4 s of a forked engine's start went to the first of these,
+    ~0.15 s to the Gluon imports, all of it in the first CUDA-graph warm-up."""
+    import importlib
+
+    import triton
+
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:  # another Triton: its first launch pays for whatever it has instead
+        pass
+    else:
+        triton_key()  # functools.cache'd for the process
+    with contextlib.suppress(ImportError):
+        importlib.import_module("triton.experimental.gluon")
+    for name in TRITON_MODULES:
+        for value in vars(importlib.import_module(name)).values():
+            if isinstance(value, triton.runtime.JITFunction):
+                value.cache_key  # noqa: B018 (a property that hashes the kernel's source once)

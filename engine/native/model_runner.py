@@ -253,7 +253,9 @@ class ModelRunner:
         for key in keys:
             self._capture(key, warm_up=warm_up_each or key[0] not in seen)
             seen.add(key[0])
+        t = time.perf_counter()
         torch.cuda.empty_cache()  # once: the warm-ups' blocks (a standby holds what its graphs need, no more)
+        self.capture_parts["free"] = time.perf_counter() - t
         t = time.perf_counter()
         for key in keys:
             self._upload_graph(key)  # paid here, not by a request
@@ -289,13 +291,15 @@ class ModelRunner:
         return self._batch(tokens, seqs, max_query_len)
 
     def _capture(self, key: tuple[str, int], warm_up: bool) -> None:
+        parts, t = self.capture_parts, time.perf_counter()
         batch = self._dummy_inputs(key)
 
         def run() -> tuple[torch.Tensor, torch.Tensor]:
             logits = self._forward(batch)
             return logits, logits.argmax(dim=-1)
 
-        parts, t = self.capture_parts, time.perf_counter()
+        parts["inputs"] = parts.get("inputs", 0.0) + time.perf_counter() - t
+        t = time.perf_counter()
         side = _side_stream(self.device)
         if warm_up:  # on the capture stream first (lazy inits, its cuBLAS workspace), so capture records kernels
             side.wait_stream(torch.cuda.current_stream())
