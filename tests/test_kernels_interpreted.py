@@ -75,6 +75,30 @@ def test_fused_group_quantization_matches_torch() -> None:
     """)
 
 
+def test_block_fp8_gemm_matches_its_dequantized_operands_for_every_row_tile_and_split() -> None:
+    """engine/native/triton_fp8.py: the activations quantized once (quantize_groups), then each program's FP8 dot
+    per 128x128 block with both scales, K split across programs and summed by the last of a tile's; against the same
+    quantized operands dequantized and multiplied in float32. Rows from one to two row tiles."""
+    _interpreted("""
+        import torch
+        from engine.native.triton_fp8 import fp8_block_gemm, quantize_groups, tile_counters
+        gen = torch.Generator().manual_seed(0)
+        n, k = 256, 512
+        w = (torch.randn(n, k, generator=gen) / 4).to(torch.float8_e4m3fn)
+        ws = torch.rand(n // 128, k // 128, generator=gen) + 0.5
+        w_ref = w.float() * ws.repeat_interleave(128, 0).repeat_interleave(128, 1)
+        for m in (1, 5, 20, 70):
+            x = torch.randn(m, k, generator=gen)
+            q, s = quantize_groups(x, m)
+            ref = (q.float() * s.repeat_interleave(128, 1)) @ w_ref.T
+            for split in (1, 2, 4):
+                out = fp8_block_gemm(x, w, ws, split_k=split)
+                assert out.shape == (m, n) and out.dtype == x.dtype
+                torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+        assert torch.count_nonzero(tile_counters(torch.device("cpu"))) == 0  # every tile's counter re-armed
+    """)
+
+
 def test_fused_top_logprobs_match_log_softmax_and_topk() -> None:
     """engine/native/triton_logprobs.py: rows split into parts, a row whose allowed tokens sit in three parts (a
     grammar's), a part all forbidden, widths not a multiple of the part."""

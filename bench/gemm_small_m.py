@@ -1,0 +1,113 @@
+"""Small-M block-FP8 GEMMs on the GPU: the engine's Triton kernel over its launch choices, and cuBLAS' blockwise
+scaled_mm; the llama3-8b layer shapes, weights rotated through copies that outgrow L2 (a decode step reads each
+weight once). bench/results/gpu_gemm_small_m.json is the run that chose the kernel's defaults: there "triton" was
+its predecessor, which quantized the activations in every program, and "prequantized" a copy of today's kernel.
+
+    PYTHONPATH=/tmp/site:$PWD python3 bench/gemm_small_m.py --out $OUT   # on the device machine: gemm_small_m.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine.native.triton_fp8 import fp8_block_gemm, quantize_groups, tile_counters
+
+GEMMS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+L2_BYTES = 200 << 20  # weight copies cycled per timing: more than the H200's 50 MB of L2, several times over
+
+
+def cublas(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    from torch.nn.functional import ScalingType, scaled_mm
+
+    m = x.shape[0]
+    xq, xs = quantize_groups(x, -(-m // 4) * 4)
+    y = scaled_mm(xq, w.t(), xs, ScalingType.BlockWise1x128, s.t(), ScalingType.BlockWise128x128,
+                  output_dtype=torch.bfloat16)  # fmt: skip
+    return y[:m]
+
+
+def timed_us(fn, copies: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor) -> float:
+    """GPU time of one call, from a CUDA graph that calls it once per weight copy, twice round."""
+    fn(x, *copies[0])
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(2):
+            for w, s in copies:
+                fn(x, w, s)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (5 * 2 * len(copies))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--rows", default="1,16,32,64")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    tile_counters(torch.device("cuda"))
+    rows: list[dict[str, object]] = []
+    began = time.perf_counter()
+    for name, (n, k) in GEMMS.items():
+        count = max(2, L2_BYTES // (n * k))
+        copies = [((torch.randn(n, k, device="cuda") / 4).to(torch.float8_e4m3fn),
+                   torch.rand(n // 128, k // 128, device="cuda") + 0.5) for _ in range(count)]  # fmt: skip
+        for m in (int(r) for r in args.rows.split(",")):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = fp8_block_gemm(x, *copies[0]).float()
+            variants = {"triton": lambda x, w, s: fp8_block_gemm(x, w, s)}
+            if m >= 4:
+                variants["cublas"] = cublas
+            for bn in (64, 128, 256):
+                for warps in (4, 8):
+                    for stages in (3, 4):
+                        variants[f"triton bn{bn} w{warps} s{stages}"] = (
+                            lambda x, w, s, bn=bn, warps=warps, stages=stages:
+                            fp8_block_gemm(x, w, s, block_n=bn, num_warps=warps, num_stages=stages))  # fmt: skip
+            for label, fn in variants.items():
+                try:
+                    err = ((fn(x, *copies[0]).float() - ref).norm() / ref.norm()).item()
+                    us = timed_us(fn, copies, x)
+                except Exception as exc:  # a launch choice that does not fit (shared memory): recorded, skipped
+                    rows.append({"gemm": name, "m": m, "variant": label, "error": str(exc)[:200]})
+                    continue
+                row = {"gemm": name, "n": n, "k": k, "m": m, "variant": label, "us": round(us, 2),
+                       "tb_s": round(n * k / us / 1e6, 3), "rel_err_vs_triton": round(err, 5)}  # fmt: skip
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        del copies
+        torch.cuda.empty_cache()
+    best: dict[str, dict[str, object]] = {}
+    for m in sorted({r["m"] for r in rows if "us" in r}):  # type: ignore[type-var]
+        per: dict[str, float] = {}
+        for r in rows:
+            if r.get("m") == m and "us" in r:
+                per[r["variant"]] = per.get(r["variant"], 0.0) + float(r["us"])  # type: ignore[arg-type]
+        complete = {v: t for v, t in per.items() if sum(1 for r in rows if r.get("m") == m and r.get("variant") == v
+                                                        and "us" in r) == len(GEMMS)}  # fmt: skip
+        best[str(m)] = {"layer_us": dict(sorted(complete.items(), key=lambda kv: kv[1]))}
+        print(m, list(best[str(m)]["layer_us"].items())[:6], flush=True)  # type: ignore[union-attr]
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "seconds": round(time.perf_counter() - began, 1), "rows": rows, "per_layer": best}  # fmt: skip
+    (args.out / "gemm_small_m.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
