@@ -9,6 +9,7 @@ its predecessor, which quantized the activations in every program, and "prequant
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -19,6 +20,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.gpu_step_profile import graphed_us
 from engine.native.triton_fp8 import fp8_block_gemm, quantize_groups, tile_counters
 
 GEMMS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -37,22 +39,8 @@ def cublas(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 def timed_us(fn, copies: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor) -> float:
     """GPU time of one call, from a CUDA graph that calls it once per weight copy, twice round."""
-    fn(x, *copies[0])
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(2):
-            for w, s in copies:
-                fn(x, w, s)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (5 * 2 * len(copies))
+    turn = itertools.cycle(copies)
+    return graphed_us(lambda: fn(x, *next(turn)), calls=2 * len(copies))
 
 
 def main() -> None:
