@@ -38,6 +38,11 @@ HOLDER_POLL_S = 0.01  # a waiter's look for the holder's pid, before the engine 
 _held: list[object] = []  # the engine's mapping and mutex, locked until the process ends
 
 
+def beside(engine_socket: str | Path) -> Path:
+    """An engine's lifeline file: its socket's name with ``.life`` (the supervisor names them so)."""
+    return Path(engine_socket).with_suffix(".life")
+
+
 class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -143,6 +144,19 @@ def wait_for(condition: Any, seconds: float, what: str) -> Any:
             return value
         time.sleep(0.05)
     pytest.fail(f"{what} within {seconds} s")
+
+
+def serve_activated(engine: Any, prompts: list[list[int]], params: Any, activate_timeout: float) -> list[list[int]]:
+    """An in-process engine (engine/native/llm_engine.py) started and activated as the supervisor promotes a standby,
+    then the prompts submitted together: each one's token ids."""
+
+    async def serve() -> list[list[int]]:
+        engine.start()
+        await asyncio.wait_for(asyncio.wrap_future(engine.activate(activate_timeout)), 60)
+        streams = [engine.submit(prompt, params) for prompt in prompts]
+        return [[e.token_id async for e in stream if e.token_id is not None] for stream in streams]
+
+    return asyncio.run(serve())
 
 
 def check_attached_share_one_copy(cache: Process, attached: list[Worker], outputs: dict[str, Any],

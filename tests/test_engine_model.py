@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from processes import wait_for
+from processes import serve_activated, wait_for
 
 from cache.checkpoint.reader import read_checkpoint
 from cache.checkpoint.synth import SHAPES, synth_checkpoint
@@ -318,14 +318,8 @@ def test_sequences_short_of_blocks_wait_for_the_stripes_on_their_way_instead_of_
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     prompts = [ids * 2 for ids in prompt_ids[:4]]  # 4 x (2 x 8-13 + 24) tokens: more blocks than the first stripe
 
-    async def serve() -> list[list[int]]:
-        engine.start()
-        await asyncio.wait_for(asyncio.wrap_future(engine.activate(5.0)), 30)
-        streams = [engine.submit(ids, params) for ids in prompts]
-        return [[e.token_id async for e in stream if e.token_id is not None] for stream in streams]
-
     try:
-        served = asyncio.run(serve())
+        served = serve_activated(engine, prompts, params, activate_timeout=5.0)
         waited, steps = scheduler.preemptions, schedules
         del memory.commit_next  # the rest at full speed
         wait_for(lambda: not scheduler.allocator.incoming(), 10, "the last stripe committed")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -162,6 +161,8 @@ def test_a_reserved_kv_cache_holds_no_memory_until_committed_and_its_graphs_repl
     anywhere in the vocabulary."""
     import asyncio
 
+    from processes import serve_activated, wait_for
+
     import engine.native.kv_memory as kv_memory
     from engine.config import EngineConfig
     from engine.native.llm_engine import LLMEngine
@@ -186,18 +187,10 @@ def test_a_reserved_kv_cache_holds_no_memory_until_committed_and_its_graphs_repl
     held = free_before - torch.cuda.mem_get_info()[0]  # weights, graphs, activations, the placeholder
     assert held < memory.nbytes // 2, (held, memory.nbytes)
 
-    async def serve() -> list[list[int]]:
-        engine.start()
-        await asyncio.wait_for(asyncio.wrap_future(engine.activate(10.0)), 60)
-        streams = [engine.submit(p, params) for p in prompts]
-        return [[e.token_id async for e in stream if e.token_id is not None] for stream in streams]
-
     try:
-        served = asyncio.run(serve())
-        deadline = time.monotonic() + 60  # every stripe committed and handed to the scheduler, every block free
-        while time.monotonic() < deadline and not (memory.committed
-                                                   and engine.kv_blocks_free == engine.kv_blocks_total):  # fmt: skip
-            time.sleep(0.05)
+        served = serve_activated(engine, prompts, params, activate_timeout=10.0)
+        wait_for(lambda: memory.committed and engine.kv_blocks_free == engine.kv_blocks_total, 60,
+                 "every stripe committed and handed to the scheduler, every block free")  # fmt: skip
     finally:
         engine.stop()
     assert memory.committed and memory.device_bytes == memory.nbytes

@@ -23,6 +23,7 @@ from app.supervisor.launcher import WorkerLauncher
 from app.supervisor.reconciler import Reconciler
 from app.supervisor.state import GatewayState
 from app.supervisor.sweep import stop_group
+from common import lifeline
 from common.events import log_event
 from common.heartbeat import Heartbeat
 from common.processes import AdoptedProcess, gateway_processes
@@ -47,7 +48,7 @@ async def adopt_engines(earlier: GatewayState | None, launcher: WorkerLauncher, 
         except (ProcessLookupError, PermissionError):
             record.socket.unlink(missing_ok=True)  # it died meanwhile: what it left
             record.heartbeat_path.unlink(missing_ok=True)
-            record.socket.with_suffix(".life").unlink(missing_ok=True)  # its lifeline (Engine.lifeline_path)
+            lifeline.beside(record.socket).unlink(missing_ok=True)
             continue
         engine = Engine(record.id, record.socket, record.log_path, record.heartbeat_path, record.config,
                         process=process, path=record.path)  # fmt: skip

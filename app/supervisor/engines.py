@@ -17,6 +17,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Protocol
 
+from common import lifeline
 from engine.config import EngineConfig
 from engine.protocol import HealthResponse
 
@@ -87,7 +88,7 @@ class Engine:
     @property
     def lifeline_path(self) -> Path:
         """Its lifeline (common/lifeline.py): beside its socket, as its heartbeat."""
-        return self.socket.with_suffix(".life")
+        return lifeline.beside(self.socket)
 
     @property
     def running(self) -> bool:
