@@ -1,8 +1,7 @@
 """Small-M block-FP8 GEMMs on the GPU: the engine's Triton kernel over its launch choices, and cuBLAS' blockwise
 scaled_mm; the llama3-8b layer shapes, weights rotated through copies that outgrow L2 (a decode step reads each
-weight once). bench/results/gpu_gemm_small_m.json is the run behind add1189 (activations quantized once per GEMM,
-not in every program; reverted on main until it runs end to end on a GPU): there "triton" is main's kernel and
-"prequantized" add1189's.
+weight once). bench/results/gpu_gemm_small_m.json is the run that chose the kernel's defaults: there "triton" was
+its predecessor, which quantized the activations in every program, and "prequantized" a copy of today's kernel.
 
     PYTHONPATH=/tmp/site:$PWD python3 bench/gemm_small_m.py --out $OUT   # on the device machine: gemm_small_m.json
 """

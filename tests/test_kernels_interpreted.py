@@ -76,10 +76,9 @@ def test_fused_group_quantization_matches_torch() -> None:
 
 
 def test_block_fp8_gemm_matches_its_dequantized_operands_for_every_row_tile_and_split() -> None:
-    """engine/native/triton_fp8.py: the activations quantized per token and group of 128 (as quantize_groups does),
-    each program's FP8 dot per 128x128 block with both scales, K split across programs and summed by the last of a
-    tile's; against the same quantized operands dequantized and multiplied in float32. Rows from one to two row
-    tiles."""
+    """engine/native/triton_fp8.py: the activations quantized once (quantize_groups), then each program's FP8 dot
+    per 128x128 block with both scales, K split across programs and summed by the last of a tile's; against the same
+    quantized operands dequantized and multiplied in float32. Rows from one to two row tiles."""
     _interpreted("""
         import torch
         from engine.native.triton_fp8 import fp8_block_gemm, quantize_groups, tile_counters

@@ -58,11 +58,11 @@ def _finish(y: torch.Tensor, t: Tensors, r: LinearRecipe) -> torch.Tensor:
     return y + bias if bias is not None else y
 
 
-# Up to this many rows the Triton kernel is used rather than cuBLAS' blockwise scaled_mm: on the H200,
-# for llama3-8b's four layer GEMMs, Triton takes 88 us against 94 at M = 1 and ties at 16, while cuBLAS
-# wins from 24 rows on (96 against 130 us; 111 against 178 at 64): bench/results/gpu_step_profile.json.
-# WARMGATE_FP8_SMALL_M overrides it, for benchmarks.
-SMALL_M = int(os.environ.get("WARMGATE_FP8_SMALL_M", "16"))
+# Up to this many rows the Triton kernel is used rather than cuBLAS' blockwise scaled_mm: on the H200, for
+# llama3-8b's four layer GEMMs (weights read from HBM, not L2), Triton takes 98 us against cuBLAS' 114 at 32 rows
+# and 105 against 115 at 64 (bench/results/gpu_gemm_small_m.json; larger M was not measured with this kernel, and its
+# in-kernel-quantizing predecessor lost to cuBLAS from 24 rows on). WARMGATE_FP8_SMALL_M overrides it, for benchmarks.
+SMALL_M = int(os.environ.get("WARMGATE_FP8_SMALL_M", "64"))
 # cuBLAS' blockwise kernels (torch 2.11 + CUDA 13 on the H200) refuse every M that is not a multiple
 # of 4 (CUBLAS_STATUS_NOT_SUPPORTED from the heuristic query): the fp32 activation scales are
 # column-major with leading dimension M (16-byte alignment would explain the rule). torch insists

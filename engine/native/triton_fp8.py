@@ -2,10 +2,17 @@
 
 cuBLAS' blockwise kernel is built for large M and wants scale dimensions in multiples
 of 4 blocks; at decode sizes it leaves most of HBM bandwidth unused. This kernel has the
-same numerics (activations quantized to e4m3 per token and group of 128, FP8 x FP8 dot
-per 128x128 weight block, both scales applied to the fp32 partial product), streams the
-weight once, and splits K across programs so every SM has loads in flight. It consumes
-the same processed tensors: weight [Np, Kp] (padded to 128), weight_scale [>=Np/128, >=Kp/128].
+same numerics (activations quantized to e4m3 per token and group of 128 by ``quantize_groups``,
+the cuBLAS path's own kernel, FP8 x FP8 dot per 128x128 weight block, both scales applied to the
+fp32 partial product), streams the weight once, and splits K across programs so every SM has
+loads in flight. It consumes the same processed tensors: weight [Np, Kp] (padded to 128),
+weight_scale [>=Np/128, >=Kp/128].
+
+The activations are quantized once per GEMM, not by every program that reads them (each of the
+N / BLOCK_N programs of a row tile used to quantize the same rows again): on the H200, for
+llama3-8b's four layer GEMMs, 79 us against 91 at M = 1, 85 against 96 at 16, and 98 and 105 us
+at 32 and 64 rows against cuBLAS' 114 and 115 (bench/gemm_small_m.py,
+bench/results/gpu_gemm_small_m.json: its "prequantized" rows are this kernel).
 """
 
 from __future__ import annotations
@@ -19,13 +26,12 @@ import triton.language as tl
 from engine.native.fused_ops import SMALL_ROWS, pdl_enabled, pdl_enter
 
 BLOCK_K = 128
-FP8_MAX = tl.constexpr(448.0)
 
 
 @triton.jit
 def _fp8_block_gemm(
-    x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, stride_xm, stride_wn, stride_sn, stride_om,
-    SPLITS: tl.constexpr, K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    xq_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, stride_xm, stride_xs, stride_wn, stride_sn,
+    stride_om, SPLITS: tl.constexpr, K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(USE_PDL)
@@ -39,14 +45,11 @@ def _fp8_block_gemm(
     k_begin = pid_k * K_PER_SPLIT
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_begin, k_begin + K_PER_SPLIT, BLOCK_K):
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=m_mask, other=0.0).to(tl.float32)
-        # Dynamic activation scale per token and group of 128, as the checkpoint's scheme says.
-        x_scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / FP8_MAX
-        xq = (x / x_scale[:, None]).to(tl.float8e4nv)
+        xq = tl.load(xq_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=m_mask, other=0.0)
+        x_scale = tl.load(xs_ptr + (k0 // BLOCK_K) * stride_xs + offs_m, mask=offs_m < M, other=0.0)
         w = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :])
         w_scale = tl.load(s_ptr + (offs_n // 128) * stride_sn + k0 // 128)
-        part = tl.dot(xq, tl.trans(w))
-        acc += part * x_scale[:, None] * w_scale[None, :]
+        acc += tl.dot(xq, tl.trans(w)) * x_scale[:, None] * w_scale[None, :]
     out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     if SPLITS == 1:
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask)
@@ -69,13 +72,18 @@ def _fp8_block_gemm(
 
 
 def fp8_block_gemm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, block_n: int | None = None,
-                   split_k: int | None = None, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:  # fmt: skip
+                   split_k: int | None = None, num_warps: int | None = None,
+                   num_stages: int = 3) -> torch.Tensor:  # fmt: skip
     """x [M, Kp] bf16, w [Np, Kp] fp8, s [>=Np/128, >=Kp/128] fp32 -> [M, Np] in x's dtype."""
     m, kp = x.shape
     np_ = w.shape[0]
+    xq, xs = quantize_groups(x, m)
     block_m = min(64, max(16, triton.next_power_of_2(m)))
+    # Measured best on the H200 (bench/results/gpu_gemm_small_m.json): 128 x 8 warps up to 16 rows, 64 x 4 above.
     if block_n is None:
-        block_n = 128 if m <= 16 else 64  # measured best on the H200 (docs/benchmarks.md)
+        block_n = 128 if m <= 16 else 64
+    if num_warps is None:
+        num_warps = 8 if m <= 16 else 4
     m_tiles = triton.cdiv(m, block_m)
     n_programs = np_ // block_n
     k_blocks = kp // BLOCK_K
@@ -90,8 +98,8 @@ def fp8_block_gemm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, block_n: i
     tiles = n_programs * m_tiles
     part = x.new_empty(split_k * tiles * block_m * block_n if split_k > 1 else 1, dtype=torch.float32)
     _fp8_block_gemm[(n_programs, split_k, m_tiles)](
-        x, w, s, out, part, tile_counters(x.device, tiles), m, np_, x.stride(0), w.stride(0), s.stride(0),
-        out.stride(0), SPLITS=split_k, K_PER_SPLIT=kp // split_k, BLOCK_M=block_m, BLOCK_N=block_n,
+        xq, xs, w, s, out, part, tile_counters(x.device, tiles), m, np_, xq.stride(0), xs.stride(1), w.stride(0),
+        s.stride(0), out.stride(0), SPLITS=split_k, K_PER_SPLIT=kp // split_k, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=BLOCK_K, num_warps=num_warps, num_stages=num_stages,
         USE_PDL=(pdl := pdl_enabled(x.device) and m <= SMALL_ROWS), launch_pdl=pdl,
     )  # fmt: skip
@@ -123,7 +131,8 @@ def _sm_count(device_index: int | None) -> int:
 
 @triton.jit
 def _quantize_groups(x_ptr, q_ptr, s_ptr, M, stride_xm, stride_qm, rows, FP8_MAX: tl.constexpr,
-                     GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr):  # fmt: skip
+                     GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+    pdl_enter(USE_PDL)
     r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     group = tl.program_id(1)
     cols = group * GROUP + tl.arange(0, GROUP)
@@ -143,6 +152,7 @@ def quantize_groups(x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Ten
     scale = torch.empty(groups * rows, dtype=torch.float32, device=x.device)
     block_rows = 16
     _quantize_groups[(triton.cdiv(rows, block_rows), groups)](
-        x, q, scale, m, x.stride(0), q.stride(0), rows, FP8_MAX=448.0, GROUP=BLOCK_K, BLOCK_ROWS=block_rows, num_warps=4
-    )
+        x, q, scale, m, x.stride(0), q.stride(0), rows, FP8_MAX=448.0, GROUP=BLOCK_K, BLOCK_ROWS=block_rows,
+        num_warps=4, USE_PDL=(pdl := pdl_enabled(x.device) and rows <= SMALL_ROWS), launch_pdl=pdl,
+    )  # fmt: skip
     return q, scale.as_strided((rows, groups), (1, rows))
