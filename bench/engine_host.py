@@ -175,11 +175,12 @@ async def load(socket_path: str, streams: int, seconds: float, max_tokens: int, 
 
 
 async def bursts(socket_path: str, size: int, rounds: int, prompt_len: int, max_tokens: int, vocab: int,
-                 resumed: int = 0) -> list[list[tuple[float, float]]]:  # fmt: skip
+                 resumed: int = 0, shared_prefix: int = 0) -> list[list[tuple[float, float]]]:  # fmt: skip
     """``rounds`` times, ``size`` streaming requests sent at once (distinct prompts of ``prompt_len`` token ids, as
     a wave of new requests), each round once the one before ended: each round's seconds from its sending to each
     request's opening and first token. ``resumed``: each is a request resumed after that many tokens (the gateway's
-    ``warmgate_resume``, as the relays send the streams a crash moved to a new engine)."""
+    ``warmgate_resume``, as the relays send the streams a crash moved to a new engine). ``shared_prefix``: every
+    prompt starts with the same that many token ids (a system prompt: with prefix caching, computed once)."""
     import random
 
     import httpx
@@ -187,6 +188,7 @@ async def bursts(socket_path: str, size: int, rounds: int, prompt_len: int, max_
     from engine.internal_stream import RESUMABLE_HEADER
 
     rng = random.Random(0)
+    shared = [rng.randrange(1000, vocab - 1000) for _ in range(shared_prefix)]
     clients = [httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=socket_path), base_url="http://engine",
                                  timeout=120) for _ in range(size)]  # fmt: skip
 
@@ -211,7 +213,7 @@ async def bursts(socket_path: str, size: int, rounds: int, prompt_len: int, max_
 
     out = []
     for _ in range(rounds):
-        prompts = [[rng.randrange(1000, vocab - 1000) for _ in range(prompt_len)] for _ in clients]
+        prompts = [shared + [rng.randrange(1000, vocab - 1000) for _ in range(prompt_len)] for _ in clients]
         sent = time.perf_counter()
         out.append(await asyncio.gather(*(one(h, p, sent) for h, p in zip(clients, prompts, strict=True))))
         await asyncio.sleep(0.2)
@@ -237,6 +239,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--resumed", type=int, default=0, help="--burst: each request resumed after this many tokens")
     parser.add_argument("--prompt-len", type=int, default=160)
+    parser.add_argument("--shared-prefix", type=int, default=0,
+                        help="--burst: token ids every prompt starts with (before its own --prompt-len)")
     parser.add_argument("--profile", choices=("engine", "loop"), help="profile this thread")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
@@ -253,8 +257,9 @@ def main() -> None:
     model = synth_checkpoint(tmp / "tiny", {**SHAPES["smollm2-135m"], **TINY}, "bf16", tokenizer=demo,
                              progress=False)  # fmt: skip
     socket_path = str(tmp / "engine.sock")
+    longest = args.shared_prefix + args.prompt_len + args.max_tokens
     config = json.dumps({"model": str(model), "device": "cpu", "max_num_seqs": max(args.streams, args.burst),
-                         "max_model_len": 1024})  # fmt: skip
+                         "max_model_len": max(1024, 2 * longest)})  # fmt: skip
     profile = tmp / f"{args.profile}.prof" if args.profile else None
     cmd = [sys.executable, __file__, "--worker", socket_path, config, str(args.step_ms), str(args.token_us),
            str(profile or "-")]  # fmt: skip
@@ -288,14 +293,15 @@ def quantiles(samples: list[float], points: dict[str, float]) -> dict[str, float
 
 
 def measure_bursts(args: argparse.Namespace, socket_path: str, pid: int, vocab: int) -> dict[str, Any]:
-    asyncio.run(bursts(socket_path, args.burst, 1, args.prompt_len, args.max_tokens, vocab))  # warm
+    asyncio.run(bursts(socket_path, args.burst, 1, args.prompt_len, args.max_tokens, vocab, 0, args.shared_prefix))
     before = thread_cpu(pid) or {}
     rounds = asyncio.run(bursts(socket_path, args.burst, args.rounds, args.prompt_len, args.max_tokens, vocab,
-                                args.resumed))  # fmt: skip
+                                args.resumed, args.shared_prefix))  # fmt: skip
     after = thread_cpu(pid) or {}
     requests = args.burst * args.rounds
     points = {"p50": 0.5, "p90": 0.9, "max": 1.0}
-    return {"burst": args.burst, "rounds": args.rounds, "prompt_len": args.prompt_len, "resumed": args.resumed,
+    return {"burst": args.burst, "rounds": args.rounds, "prompt_len": args.prompt_len,
+            "shared_prefix": args.shared_prefix, "resumed": args.resumed,
             "max_tokens": args.max_tokens, "step_ms": args.step_ms, "token_us": args.token_us,
             "admitted_ms": quantiles([t[0] for r in rounds for t in r], points),
             "first_token_ms": quantiles([t[1] for r in rounds for t in r], points),

@@ -47,6 +47,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--rows", default="1,16,32,64")
+    parser.add_argument("--splits", default="", help="also sweep split-K over these (e.g. 1,2,4,8,16; each that "
+                                                     "divides the K blocks), for block_n 64/128, 4/8 warps, 3/4 stages")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
@@ -69,6 +71,13 @@ def main() -> None:
                         variants[f"triton bn{bn} w{warps} s{stages}"] = (
                             lambda x, w, s, bn=bn, warps=warps, stages=stages:
                             fp8_block_gemm(x, w, s, block_n=bn, num_warps=warps, num_stages=stages))  # fmt: skip
+            splits = [int(v) for v in args.splits.split(",") if v and (k // 128) % int(v) == 0]
+            if splits:
+                variants = {"triton": variants["triton"], **({"cublas": cublas} if m >= 4 else {})}
+            for split, bn, warps, stages in itertools.product(splits, (64, 128), (4, 8), (3, 4)):
+                variants[f"triton bn{bn} w{warps} s{stages} k{split}"] = (
+                    lambda x, w, s, bn=bn, warps=warps, stages=stages, split=split:
+                    fp8_block_gemm(x, w, s, block_n=bn, num_warps=warps, num_stages=stages, split_k=split))  # fmt: skip
             for label, fn in variants.items():
                 try:
                     err = ((fn(x, *copies[0]).float() - ref).norm() / ref.norm()).item()

@@ -15,6 +15,7 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    StrictInt,
     ValidationInfo,
     field_validator,
     model_serializer,
@@ -406,8 +407,14 @@ class ChatCompletionRequest(SamplingRequest):
         return out
 
 
+# A completion's prompt: text, token ids, or a list of either. Tried in this order, token ids strictly (JSON integers:
+# neither "12" nor 1.0 nor true is a token id): a smart union tries every member and took ~0.5 ms for 2,000 ids, on
+# the HTTP loop that shares the step loop's GIL; left to right it takes a seventh of that.
+Prompt = Annotated[str | list[StrictInt] | list[list[StrictInt]] | list[str], Field(union_mode="left_to_right")]
+
+
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Prompt
     max_tokens: int | None = Field(None, ge=0)  # 0: only the prompt, scored (echo)
     echo: bool = False
     suffix: str | None = None

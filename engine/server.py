@@ -387,9 +387,9 @@ class EngineAPI:
             if isinstance(item, str):
                 ids = self.tokenizer.encode(self.checked_text(item, "prompt"))
             else:
-                ids = [int(i) for i in item]
-                bad = [i for i in ids if not 0 <= i < vocab]
-                if bad:
+                ids = item  # JSON integers (engine/protocol.py: Prompt)
+                if ids and (min(ids) < 0 or max(ids) >= vocab):
+                    bad = [i for i in ids if not 0 <= i < vocab]
                     raise ApiError(400, f"prompt token ids out of range [0, {vocab}): {bad[:5]}", param="prompt")
             if not ids:
                 raise ApiError(400, "the prompt is empty", param="prompt")
