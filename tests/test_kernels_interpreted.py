@@ -91,11 +91,43 @@ def test_block_fp8_gemm_matches_its_dequantized_operands_for_every_row_tile_and_
             x = torch.randn(m, k, generator=gen)
             q, s = quantize_groups(x, m)
             ref = (q.float() * s.repeat_interleave(128, 1)) @ w_ref.T
-            for split in (1, 2, 4):
-                out = fp8_block_gemm(x, w, ws, split_k=split)
+            for block_n, split in ((64, 1), (64, 2), (64, 4), (128, 2)):
+                out = fp8_block_gemm(x, w, ws, block_n=block_n, split_k=split)
                 assert out.shape == (m, n) and out.dtype == x.dtype
                 torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
         assert torch.count_nonzero(tile_counters(torch.device("cpu"))) == 0  # every tile's counter re-armed
+    """)
+
+
+def test_norm_and_activation_quantize_for_the_gemm_as_quantize_groups_does() -> None:
+    """engine/native/fused_ops.py: RMSNorm (with the residual added) and SiLU-and-multiply hand a block-FP8 GEMM its
+    operands quantized: the same fp8 codes and scales as quantize_groups of their unquantized output, the same
+    residual stream, and the GEMM's output the same as from the unquantized activations. Widths past one kernel
+    block (the activation's 1,024 columns) and not a power of two."""
+    _interpreted("""
+        import torch
+        from engine.native.fused_ops import Quantized, add_rms_norm, silu_mul
+        from engine.native.triton_fp8 import fp8_block_gemm, quantize_groups
+        gen = torch.Generator().manual_seed(0)
+        for rows, cols in ((1, 256), (5, 384), (3, 1152)):
+            x = torch.randn(rows, cols, generator=gen).bfloat16()
+            residual = torch.randn(rows, cols, generator=gen).bfloat16()
+            weight = (torch.rand(cols, generator=gen) + 0.5).bfloat16()
+            x_plain = x.clone()
+            plain = add_rms_norm(x_plain, residual, weight, 1e-5)
+            x_fused = x.clone()
+            fused = add_rms_norm(x_fused, residual, weight, 1e-5, quantize=True)
+            gate = torch.randn(rows, cols, generator=gen).bfloat16() * 3
+            up = torch.randn(rows, cols, generator=gen).bfloat16()
+            for made, reference in ((fused, plain), (silu_mul(gate, up, quantize=True), silu_mul(gate, up))):
+                assert isinstance(made, Quantized) and made.dtype == torch.bfloat16
+                q, s = quantize_groups(reference, rows)
+                assert made.q.dtype == q.dtype and torch.equal(made.q.view(torch.uint8), q.view(torch.uint8))
+                assert made.scale.stride() == s.stride() == (1, rows) and torch.equal(made.scale, s)
+                w = (torch.randn(256, cols, generator=gen) / 4).to(torch.float8_e4m3fn)
+                ws = torch.rand(2, cols // 128, generator=gen) + 0.5
+                assert torch.equal(fp8_block_gemm(made, w, ws, split_k=1), fp8_block_gemm(reference, w, ws, split_k=1))
+            assert torch.equal(x_fused, x_plain)  # the residual stream, updated in place alike
     """)
 
 

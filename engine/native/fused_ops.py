@@ -3,15 +3,57 @@
 A decode step at small batch is mostly tiny kernels; PyTorch spends six to ten launches
 on each RMSNorm or rotary call. These do each in one. The torch versions in
 engine/native/model.py stay the reference and the CPU path.
+
+The norm and SiLU-and-multiply kernels can also hand their output to a block-FP8 GEMM already
+quantized (``quantize=True``: fp8 and the scales of each token's groups of 128, as
+engine/native/triton_fp8.py's quantize_groups makes them, from the same bf16 values, so the
+GEMM's operands are bit for bit the same): one launch fewer per GEMM at decode sizes.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+
+FP8_MAX = 448.0  # float8_e4m3fn
+GROUP = 128  # activation quantization groups: one per 128 columns, as the weights' 128x128 blocks
+
+
+class Quantized(NamedTuple):
+    """Activations [M, K] quantized per token and group of 128: fp8 q [M, K] and fp32 scales [M, K/128] with
+    strides (1, M), as quantize_groups(x, M) returns them (engine/native/triton_fp8.py); ``dtype``: that of the
+    values quantized, the GEMM's output's."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+
+def quantized_like(x: torch.Tensor) -> Quantized:
+    """Room for ``x`` [M, K] quantized."""
+    rows, cols = x.shape
+    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(cols // GROUP * rows, dtype=torch.float32, device=x.device)
+    return Quantized(q, scale.as_strided((rows, cols // GROUP), (1, rows)), x.dtype)
+
+
+@triton.jit
+def _store_groups(q_ptr, s_ptr, row, rows, n_cols, first, y, BLOCK: tl.constexpr, GROUP: tl.constexpr,
+                  FP8_MAX: tl.constexpr):  # fmt: skip
+    """Columns first..first+BLOCK-1 of one row (y: fp32 holding bf16 values, zeros past n_cols, a multiple of
+    GROUP), quantized as quantize_groups does it: q at [row, col], the scale of group g at g * rows + row."""
+    groups = tl.reshape(y, (BLOCK // GROUP, GROUP))
+    scale = tl.maximum(tl.max(tl.abs(groups), axis=1), 1e-12) / FP8_MAX
+    q = tl.reshape(tl.clamp(groups / scale[:, None], -FP8_MAX, FP8_MAX), (BLOCK,))
+    cols = first + tl.arange(0, BLOCK)
+    tl.store(q_ptr + row * n_cols + cols, q.to(q_ptr.dtype.element_ty), mask=cols < n_cols)
+    g = first // GROUP + tl.arange(0, BLOCK // GROUP)
+    tl.store(s_ptr + g * rows + row, scale, mask=g < n_cols // GROUP)
+
 
 # Programmatic dependent launch (Hopper+): a decode kernel is scheduled while the previous one
 # finishes and waits (gdc_wait) before touching memory; saves launch gaps inside the CUDA
@@ -33,7 +75,8 @@ def pdl_enabled(device: torch.device) -> bool:
 
 
 @triton.jit
-def _add_rms_norm(x_ptr, r_ptr, w_ptr, out_ptr, n_cols, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+def _add_rms_norm(x_ptr, r_ptr, w_ptr, out_ptr, s_ptr, n_cols, eps, HAS_RESIDUAL: tl.constexpr,
+                  QUANTIZE: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, FP8_MAX: tl.constexpr,
                   USE_PDL: tl.constexpr):  # fmt: skip
     pdl_enter(USE_PDL)
     row = tl.program_id(0)
@@ -47,18 +90,25 @@ def _add_rms_norm(x_ptr, r_ptr, w_ptr, out_ptr, n_cols, eps, HAS_RESIDUAL: tl.co
         x = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    normed = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)  # HF rounds before the weight
-    tl.store(out_ptr + row * n_cols + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    normed = (x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)  # HF rounds before the weight
+    y = (normed * w).to(x_ptr.dtype.element_ty)
+    if QUANTIZE:
+        _store_groups(out_ptr, s_ptr, row, tl.num_programs(0), n_cols, 0, y.to(tl.float32), BLOCK, GROUP, FP8_MAX)
+    else:
+        tl.store(out_ptr + row * n_cols + cols, y, mask=mask)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """If ``residual`` is given, ``x += residual`` in place; returns rms_norm(x) * weight. x is [rows, cols]."""
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 quantize: bool = False) -> torch.Tensor | Quantized:  # fmt: skip
+    """If ``residual`` is given, ``x += residual`` in place; returns rms_norm(x) * weight. x is [rows, cols].
+    ``quantize``: returned quantized for a block-FP8 GEMM (cols a multiple of 128)."""
     rows, cols = x.shape
-    out = torch.empty_like(x)
+    out = quantized_like(x) if quantize else torch.empty_like(x)
+    dest, scales = out[:2] if quantize else (out, out)  # unquantized: no scales are written
     _add_rms_norm[(rows,)](
-        x, residual if residual is not None else x, weight, out, cols, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols), num_warps=4,
-        USE_PDL=(pdl := pdl_enabled(x.device) and rows <= SMALL_ROWS), launch_pdl=pdl,
+        x, residual if residual is not None else x, weight, dest, scales, cols, eps,
+        HAS_RESIDUAL=residual is not None, QUANTIZE=quantize, BLOCK=triton.next_power_of_2(cols), GROUP=GROUP,
+        FP8_MAX=FP8_MAX, num_warps=4, USE_PDL=(pdl := pdl_enabled(x.device) and rows <= SMALL_ROWS), launch_pdl=pdl,
     )  # fmt: skip
     return out
 
@@ -92,26 +142,36 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _silu_mul(g_ptr, u_ptr, out_ptr, n_cols, stride_g, stride_u, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+def _silu_mul(g_ptr, u_ptr, out_ptr, s_ptr, n_cols, stride_g, stride_u, QUANTIZE: tl.constexpr, BLOCK: tl.constexpr,
+              GROUP: tl.constexpr, FP8_MAX: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
     pdl_enter(USE_PDL)
     row = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    first = tl.program_id(1) * BLOCK
+    cols = first + tl.arange(0, BLOCK)
     mask = cols < n_cols
     g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
-    y = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32) * u  # silu rounds like torch's
-    tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    y = (g / (1.0 + tl.exp(-g))).to(g_ptr.dtype.element_ty).to(tl.float32) * u  # silu rounds like torch's
+    y = y.to(g_ptr.dtype.element_ty)
+    if QUANTIZE:
+        _store_groups(out_ptr, s_ptr, row, tl.num_programs(0), n_cols, first, y.to(tl.float32), BLOCK, GROUP, FP8_MAX)
+    else:
+        tl.store(out_ptr + row * n_cols + cols, y, mask=mask)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for [T, I] views (rows may be slices of one merged gate/up output)."""
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, quantize: bool = False) -> torch.Tensor | Quantized:
+    """silu(gate) * up for [T, I] views (rows may be slices of one merged gate/up output). ``quantize``: returned
+    quantized for a block-FP8 GEMM (I a multiple of 128)."""
     rows, cols = gate.shape
-    out = torch.empty(rows, cols, dtype=gate.dtype, device=gate.device)
+    plain = torch.empty(rows, cols, dtype=gate.dtype, device=gate.device)
+    out = quantized_like(plain) if quantize else plain
+    dest, scales = out[:2] if quantize else (out, out)  # unquantized: no scales are written
     block = 1024
     pdl = pdl_enabled(gate.device) and rows <= SMALL_ROWS
     _silu_mul[(rows, triton.cdiv(cols, block))](
-        gate, up, out, cols, gate.stride(0), up.stride(0), BLOCK=block, USE_PDL=pdl, launch_pdl=pdl
-    )
+        gate, up, dest, scales, cols, gate.stride(0), up.stride(0), QUANTIZE=quantize, BLOCK=block, GROUP=GROUP,
+        FP8_MAX=FP8_MAX, USE_PDL=pdl, launch_pdl=pdl,
+    )  # fmt: skip
     return out
 
 

@@ -79,6 +79,12 @@ def fp8_block_scaled_mm(x: torch.Tensor, t: Tensors, r: LinearRecipe) -> torch.T
     """
     from torch.nn.functional import ScalingType, scaled_mm
 
+    from engine.native.fused_ops import Quantized
+
+    if isinstance(x, Quantized):  # quantized by the kernel that made it (takes_quantized): rows <= SMALL_M
+        from engine.native.triton_fp8 import fp8_block_gemm
+
+        return _finish(fp8_block_gemm(x, t["weight"], t["weight_scale"]), t, r)
     m = x.shape[0]
     xp = _pad_k(x, r)
     nb, kb = t["weight_scale"].shape
@@ -93,6 +99,12 @@ def fp8_block_scaled_mm(x: torch.Tensor, t: Tensors, r: LinearRecipe) -> torch.T
     y = scaled_mm(xq, t["weight"].t(), xs, ScalingType.BlockWise1x128, t["weight_scale"].t(),
                   ScalingType.BlockWise128x128, output_dtype=x.dtype)  # fmt: skip
     return _finish(y[:m] if pad else y, t, r)
+
+
+def takes_quantized(recipe: LinearRecipe, rows: int) -> bool:
+    """Whether this layer's kernel takes its ``rows`` of activations already quantized (engine/native/fused_ops.py's
+    Quantized, made by the kernel before it): the Triton block-FP8 GEMM's rows, with no padding of K."""
+    return recipe.kernel == FP8_BLOCK_SCALED_MM and rows <= SMALL_M and recipe.padded_in == recipe.in_features
 
 
 def fp8_rowwise_scaled_mm(x: torch.Tensor, t: Tensors, r: LinearRecipe) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from cache.checkpoint.architecture import ModelShape
 from cache.processors.native import LinearRecipe, ProcessedWeights
 from engine.native.attention import StepBatch, paged_attention
-from engine.native.kernels import Kernel, kernel_for
+from engine.native.kernels import Kernel, kernel_for, takes_quantized
 from engine.native.kv_cache import KVCache
 
 
@@ -76,6 +76,10 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel(x, self.tensors, self.recipe)
 
+    def takes_quantized(self, rows: int) -> bool:
+        """Its input may come quantized (engine/native/fused_ops.py: the norm or activation before it does it)."""
+        return takes_quantized(self.recipe, rows)
+
 
 class Projections:
     """Several projections of one input: one GEMM when processing merged them, else one each."""
@@ -90,6 +94,9 @@ class Projections:
         if merged in recipes:
             return cls(make(merged), [], names)
         return cls(None, [make(n) for n in names], names)
+
+    def takes_quantized(self, rows: int) -> bool:
+        return all(linear.takes_quantized(rows) for linear in ([self.merged] if self.merged else self.separate))
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         if self.merged is not None:
@@ -169,12 +176,15 @@ class Transformer:
         self.scale = 1.0 / math.sqrt(s.head_dim)
         self.fused = self.device.type == "cuda"  # Triton kernels for norms and rotary embedding
 
-    def _norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
-        """``x += delta`` (the residual stream, in place) and return rms_norm(x) * weight."""
+    def _norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+              into: Linear | Projections | None = None) -> torch.Tensor:  # fmt: skip
+        """``x += delta`` (the residual stream, in place) and return rms_norm(x) * weight, quantized for ``into``
+        (the layer it goes to) where that takes it so (fused kernels only)."""
         if self.fused:
             from engine.native.fused_ops import add_rms_norm
 
-            return add_rms_norm(x, delta, weight, self.args.rms_norm_eps)
+            quantize = into is not None and into.takes_quantized(x.shape[0])
+            return add_rms_norm(x, delta, weight, self.args.rms_norm_eps, quantize)  # type: ignore[return-value]
         if delta is not None:
             x.add_(delta)
         return rms_norm(x, weight, self.args.rms_norm_eps)
@@ -202,7 +212,7 @@ class Transformer:
         if self.fused:
             from engine.native.fused_ops import silu_mul
 
-            return layer.down(silu_mul(gate, up))
+            return layer.down(silu_mul(gate, up, layer.down.takes_quantized(gate.shape[0])))  # type: ignore[arg-type]
         return layer.down(F.silu(gate) * up)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -214,8 +224,8 @@ class Transformer:
         x = F.embedding(tokens, self.embed)
         delta = None
         for i, layer in enumerate(self.layers):
-            h = self._norm(x, delta, layer.input_norm)
-            h = self._norm(x, layer.o(attention(i, layer, h, cos, sin)), layer.post_norm)
+            h = self._norm(x, delta, layer.input_norm, layer.qkv)
+            h = self._norm(x, layer.o(attention(i, layer, h, cos, sin)), layer.post_norm, layer.gate_up)
             delta = self._mlp(layer, h)
         return x.add_(delta) if delta is not None else x
 

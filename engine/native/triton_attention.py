@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from engine.native.attention import StepBatch
+from engine.native.fused_ops import SMALL_ROWS, pdl_enabled, pdl_enter
 
 MIN_ROWS = 16  # tl.dot needs at least 16 rows
 
@@ -26,8 +27,9 @@ def _paged_attention(
     q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr, query_start_ptr, scale,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_table,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
+    PAGE: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(USE_PDL)
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -99,5 +101,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
         batch.block_tables.stride(0), GROUP=group, GROUP_P2=triton.next_power_of_2(group), BLOCK_Q=block_q,
         BLOCK_N=block_n, PAGE=batch.block_size, D=d, D_P2=triton.next_power_of_2(d), num_warps=4, num_stages=2,
+        USE_PDL=(pdl := pdl_enabled(q.device) and t <= SMALL_ROWS), launch_pdl=pdl,
     )  # fmt: skip
     return out.view(t, heads * d)

@@ -23,9 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.native.fused_ops import SMALL_ROWS, pdl_enabled, pdl_enter
+from engine.native.fused_ops import SMALL_ROWS, Quantized, pdl_enabled, pdl_enter
 
 BLOCK_K = 128
+MAX_SPLIT = 16  # the most K splits a launch picks: the partial sums' traffic grows with them
 
 
 @triton.jit
@@ -71,37 +72,40 @@ def _fp8_block_gemm(
             tl.atomic_xchg(counter, 0)
 
 
-def fp8_block_gemm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, block_n: int | None = None,
+def fp8_block_gemm(x: torch.Tensor | Quantized, w: torch.Tensor, s: torch.Tensor, block_n: int | None = None,
                    split_k: int | None = None, num_warps: int | None = None,
                    num_stages: int = 3) -> torch.Tensor:  # fmt: skip
-    """x [M, Kp] bf16, w [Np, Kp] fp8, s [>=Np/128, >=Kp/128] fp32 -> [M, Np] in x's dtype."""
-    m, kp = x.shape
+    """x [M, Kp] bf16 (or already quantized: engine/native/fused_ops.py), w [Np, Kp] fp8, s [>=Np/128, >=Kp/128]
+    fp32 -> [M, Np] in x's dtype."""
+    xq, xs, dtype = x if isinstance(x, Quantized) else (*quantize_groups(x, x.shape[0]), x.dtype)
+    m, kp = xq.shape
     np_ = w.shape[0]
-    xq, xs = quantize_groups(x, m)
     block_m = min(64, max(16, triton.next_power_of_2(m)))
-    # Measured best on the H200 (bench/results/gpu_gemm_small_m.json): 128 x 8 warps up to 16 rows, 64 x 4 above.
-    if block_n is None:
-        block_n = 128 if m <= 16 else 64
-    if num_warps is None:
-        num_warps = 8 if m <= 16 else 4
+    # Launch choices from the H200 sweep over block_n, warps, stages and split-K (bench/gemm_small_m.py --splits,
+    # bench/results/gpu_gemm_small_m_splits.json): 64 columns and 4 warps a program, K split so that there are at
+    # least 2.5 programs per SM. For llama3-8b's four layer GEMMs: 77.7 / 81.3 / 98.1 / 102.7 us at 1 / 16 / 32 / 64
+    # rows, against 76.0 / 78.9 / 92.8 / 98.4 for the best choice of each GEMM alone and 83.3 / 84.2 / 109.7 / 108.0
+    # for the launch rule before it (128 columns and 8 warps to 16 rows, K split to about two programs per SM).
+    block_n = block_n or 64
+    num_warps = num_warps or 4
     m_tiles = triton.cdiv(m, block_m)
     n_programs = np_ // block_n
     k_blocks = kp // BLOCK_K
     if split_k is not None and k_blocks % split_k:
         raise ValueError(f"split_k={split_k} does not divide the {k_blocks} K blocks")
     if split_k is None:
-        # Enough programs to keep every SM streaming: about two waves (the best split in the H200 sweep).
-        split_k = max(1, min(k_blocks, (2 * _sm_count(x.device.index)) // max(1, n_programs * m_tiles)))
-        while k_blocks % split_k:
-            split_k -= 1
-    out = x.new_empty(m, np_)
+        splits = [s for s in range(1, min(k_blocks, MAX_SPLIT) + 1) if k_blocks % s == 0]
+        wanted = 5 * _sm_count(xq.device.index) // 2
+        split_k = next((s for s in splits if n_programs * m_tiles * s >= wanted), splits[-1])
+    out = torch.empty(m, np_, dtype=dtype, device=xq.device)
     tiles = n_programs * m_tiles
-    part = x.new_empty(split_k * tiles * block_m * block_n if split_k > 1 else 1, dtype=torch.float32)
+    part = torch.empty(split_k * tiles * block_m * block_n if split_k > 1 else 1, dtype=torch.float32,
+                       device=xq.device)  # fmt: skip
     _fp8_block_gemm[(n_programs, split_k, m_tiles)](
-        xq, xs, w, s, out, part, tile_counters(x.device, tiles), m, np_, xq.stride(0), xs.stride(1), w.stride(0),
+        xq, xs, w, s, out, part, tile_counters(xq.device, tiles), m, np_, xq.stride(0), xs.stride(1), w.stride(0),
         s.stride(0), out.stride(0), SPLITS=split_k, K_PER_SPLIT=kp // split_k, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=BLOCK_K, num_warps=num_warps, num_stages=num_stages,
-        USE_PDL=(pdl := pdl_enabled(x.device) and m <= SMALL_ROWS), launch_pdl=pdl,
+        USE_PDL=(pdl := pdl_enabled(xq.device) and m <= SMALL_ROWS), launch_pdl=pdl,
     )  # fmt: skip
     return out
 
