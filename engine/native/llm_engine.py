@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 import uuid
@@ -49,7 +50,9 @@ from engine.weights import LoadedWeights, WeightOrigin, WeightSource, weight_sou
 
 log = logging.getLogger("warmgate.engine")
 STATS_INTERVAL = 10.0  # seconds between engine_stats log lines
-TRACED_STEPS = 8  # steps after an activation logged one by one (step_after_activation: a promotion's first tokens)
+# Steps after an activation logged one by one (step_after_activation: a promotion's first tokens); benchmarks ask for
+# more to see how a load's steps are made up.
+TRACED_STEPS = int(os.environ.get("WARMGATE_TRACED_STEPS", "8"))
 
 
 class LLMEngine(EngineThread[Sequence]):

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.native.kv_cache import BlockAllocator, block_hash
+from engine.native.kv_cache import BlockAllocator, block_hashes
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -83,9 +83,10 @@ class Sequence:
 
     def block_hashes(self, blocks: int, block_size: int) -> list[bytes]:
         """Its prefix hashes, at least those of its first ``blocks`` full blocks (each computed once)."""
-        for i in range(len(self.hashes), blocks):
-            tokens = self.token_slice(i * block_size, (i + 1) * block_size)
-            self.hashes.append(block_hash(self.hashes[-1] if self.hashes else b"", tokens))
+        have = len(self.hashes)
+        if blocks > have:
+            tokens = self.token_slice(have * block_size, blocks * block_size)
+            self.hashes += block_hashes(self.hashes[-1] if self.hashes else b"", tokens, block_size)
         return self.hashes
 
 
