@@ -202,6 +202,10 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hello " * (MAX_MODEL_LEN + 10)}, 400, "maximum context length"),
     ("/v1/completions", {"prompt": ["one", "two"], "n": 9}, 400, "passes 16 choices"),
     ("/v1/completions", {"prompt": [1, 10**9]}, 400, "out of range"),
+    ("/v1/completions", {"prompt": [1, -2]}, 400, "out of range"),
+    ("/v1/completions", {"prompt": [1, 2.0]}, 400, "prompt"),  # token ids are JSON integers
+    ("/v1/completions", {"prompt": [True]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [[1, 2], ["a"]]}, 400, "prompt"),
 ]
 
 
