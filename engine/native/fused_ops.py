@@ -19,8 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_MAX = 448.0  # float8_e4m3fn
-GROUP = 128  # activation quantization groups: one per 128 columns, as the weights' 128x128 blocks
+from cache.checkpoint.schemes import FP8_BLOCK, FP8_MAX
+
+GROUP = FP8_BLOCK  # activations are quantized in groups of a weight block's columns
 
 
 class Quantized(NamedTuple):

@@ -59,9 +59,10 @@ def _finish(y: torch.Tensor, t: Tensors, r: LinearRecipe) -> torch.Tensor:
 
 
 # Up to this many rows the Triton kernel is used rather than cuBLAS' blockwise scaled_mm: on the H200, for
-# llama3-8b's four layer GEMMs (weights read from HBM, not L2), Triton takes 98 us against cuBLAS' 114 at 32 rows
-# and 105 against 115 at 64 (bench/results/gpu_gemm_small_m.json; larger M was not measured with this kernel, and its
-# in-kernel-quantizing predecessor lost to cuBLAS from 24 rows on). WARMGATE_FP8_SMALL_M overrides it, for benchmarks.
+# llama3-8b's four layer GEMMs (weights read from HBM, not L2), Triton takes 98 us against cuBLAS' 111 at 32 rows
+# and 103 against 111 at 64 (bench/results/gpu_gemm_small_m_splits.json), and cuBLAS wins above: 113 against 134 us
+# at 96 rows (bench/results/gpu_step_profile_fused_quant.json's "gemms", one weight copy). WARMGATE_FP8_SMALL_M
+# overrides it, for benchmarks.
 SMALL_M = int(os.environ.get("WARMGATE_FP8_SMALL_M", "64"))
 # cuBLAS' blockwise kernels (torch 2.11 + CUDA 13 on the H200) refuse every M that is not a multiple
 # of 4 (CUBLAS_STATUS_NOT_SUPPORTED from the heuristic query): the fp32 activation scales are

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.native.fused_ops import SMALL_ROWS, Quantized, pdl_enabled, pdl_enter
+from engine.native.fused_ops import FP8_MAX, GROUP, SMALL_ROWS, Quantized, pdl_enabled, pdl_enter
 
 BLOCK_K = 128
 MAX_SPLIT = 16  # the most K splits a launch picks: the partial sums' traffic grows with them
@@ -156,7 +156,7 @@ def quantize_groups(x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Ten
     scale = torch.empty(groups * rows, dtype=torch.float32, device=x.device)
     block_rows = 16
     _quantize_groups[(triton.cdiv(rows, block_rows), groups)](
-        x, q, scale, m, x.stride(0), q.stride(0), rows, FP8_MAX=448.0, GROUP=BLOCK_K, BLOCK_ROWS=block_rows,
+        x, q, scale, m, x.stride(0), q.stride(0), rows, FP8_MAX=FP8_MAX, GROUP=GROUP, BLOCK_ROWS=block_rows,
         num_warps=4, USE_PDL=(pdl := pdl_enabled(x.device) and rows <= SMALL_ROWS), launch_pdl=pdl,
     )  # fmt: skip
     return q, scale.as_strided((rows, groups), (1, rows))
