@@ -89,10 +89,15 @@ demo._write_marker(t, 'fp8-block', seconds=0.0)"
             done ;;
     speed)  # Issue 25's serving points with its settings (max_num_seqs 128, 20 GB KV): 1 stream (TPOT p50), 64 and 128
             # streams (tok/s, TTFT, the engine's CPU per token by thread, device idle), then 32 streams of 1,150-token
-            # prompts and 256 tokens (TTFT p99, TPOT p99). ~4 min with the two starts; `profile` and `prefix` are the rest.
-            for load in table long; do
-              if [ $load = table ]; then LEVELS="--concurrency 1,64,128 --requests-per-client 16,8,8"
-              else LEVELS="--concurrency 32 --requests-per-client 4 --prompt-len 1150 --output-len 256"; fi
+            # prompts and 256 tokens (TTFT p99, TPOT p99), as a wave after the warm-up and with the 32 streams' starts
+            # spread over 2 s. ~5 min with the three starts; `profile` and `prefix` are the rest.
+            for load in table long long-ramp; do
+              LONG="--concurrency 32 --requests-per-client 4 --prompt-len 1150 --output-len 256"
+              case $load in
+                table) LEVELS="--concurrency 1,64,128 --requests-per-client 16,8,8" ;;
+                long) LEVELS=$LONG ;;
+                long-ramp) LEVELS="$LONG --ramp-s 2" ;;
+              esac
               timeout -k 30 ${SPEED_TIMEOUT:-200} python3 bench/serve_load.py --model $MODEL --device cuda \
                 --max-num-seqs 128 --kv-cache-bytes 20000000000 --out $RUN/speed-$load --deadline-s 170 $LEVELS \
                 --direct-concurrency 0 --restart-probe 0 2>&1 | tail -8

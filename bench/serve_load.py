@@ -397,7 +397,8 @@ async def run_job(job: dict[str, Any], clients: dict[str, RawClient | HttpxClien
     queue = iter(job["prompts"])
     stop_at = job["stop_at"]
 
-    async def worker() -> list[dict[str, Any]]:
+    async def worker(delay: float) -> list[dict[str, Any]]:
+        await asyncio.sleep(delay)
         out = []
         for prompt in queue:
             if stop_at is not None and time.monotonic() > stop_at:
@@ -407,7 +408,8 @@ async def run_job(job: dict[str, Any], clients: dict[str, RawClient | HttpxClien
 
     await asyncio.sleep(max(0.0, job["start_at"] - time.monotonic()))
     cpu, wall, connects = time.process_time(), time.monotonic(), getattr(client, "connects", None)
-    recs = [r for rs in await asyncio.gather(*(worker() for _ in range(job["streams"]))) for r in rs]
+    delays = job.get("delays") or [0.0] * job["streams"]
+    recs = [r for rs in await asyncio.gather(*(worker(d) for d in delays)) for r in rs]
     return {"records": recs, "cpu_s": time.process_time() - cpu, "wall_s": time.monotonic() - wall,
             "connects": None if connects is None else client.connects - connects}  # fmt: skip
 
@@ -475,7 +477,10 @@ class ClientPool:
         self.hello = [c.recv() for c in self.conns]
 
     def run(self, target: str, prompts: list[list[int]], concurrency: int, output_len: int, stop_at: float | None,
-            extra: dict[str, Any] | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # fmt: skip
+            extra: dict[str, Any] | None = None,
+            ramp_s: float = 0.0) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # fmt: skip
+        """``ramp_s``: stream k of the level sends its first request k / concurrency * ramp_s seconds after the first
+        (0: every stream at once)."""
         n = len(self.conns)
         busy = []
         start_at = time.monotonic() + 0.05
@@ -484,9 +489,11 @@ class ClientPool:
             if not streams:
                 continue
             mine = [p for j, p in enumerate(prompts) if (j % concurrency) % n == i]
-            conn.send({"target": target, "prompts": mine, "streams": streams, "output_len": output_len,
-                       "timeout": self.timeout, "start_at": start_at, "stop_at": stop_at, "client": self.client,
-                       "api_key": self.api_key, "connections": streams + 4, "extra": extra})  # fmt: skip
+            delays = [k / concurrency * ramp_s for k in range(i, concurrency, n)]
+            conn.send({"target": target, "prompts": mine, "streams": streams, "delays": delays,
+                       "output_len": output_len, "timeout": self.timeout, "start_at": start_at, "stop_at": stop_at,
+                       "client": self.client, "api_key": self.api_key, "connections": streams + 4,
+                       "extra": extra})  # fmt: skip
             busy.append(conn)
         results = [conn.recv() for conn in busy]
         recs = sorted((r for res in results for r in res["records"]), key=lambda r: r["start"])
@@ -925,7 +932,7 @@ class Bench:
             timer.daemon = True
             timer.start()
         t = time.monotonic()
-        recs, client = self.pool.run(target, prompts, c, a.output_len, self.stop_at, extra)
+        recs, client = self.pool.run(target, prompts, c, a.output_len, self.stop_at, extra, a.ramp_s)
         wall = time.monotonic() - t
         if "kind" in fault:
             result.setdefault("faults", []).append(fault)
@@ -1024,6 +1031,7 @@ def markdown(result: dict[str, Any]) -> str:
              (f"a shared prefix of {a['shared_prefix']} tokens, then " if a.get("shared_prefix") else "")
              + f"prompt ~{a['prompt_len']} tokens, output {a['output_len']} tokens, ignore_eos, temperature 0; "
              f"closed loop, {a['client_procs']} client processes ({a['client']} client)"
+             + (f", the streams' starts spread over {a['ramp_s']} s" if a.get("ramp_s") else "")
              + (f"; engine: `{result['engine_settings']}`" if result.get("engine_settings") else ""), "",
              "| target | concurrency | variant | requests | failed | output tok/s | TTFT p50 | TTFT p99 | TPOT p50 "
              "| TPOT p99 | crash restarts | engine_hung |",
@@ -1128,6 +1136,9 @@ def main() -> None:
     p.add_argument("--requests-per-client", type=int_list, default=[4],
                    help="counted requests per stream (16 a level at least): one, or one per --concurrency")  # fmt: skip
     p.add_argument("--warmup", type=int, help="warm-up requests per level (default: one per stream)")
+    p.add_argument("--ramp-s", type=float, default=0.0,
+                   help="the measured streams start this many seconds apart in all, evenly (default: all at once, "
+                        "after the warm-up: a wave of every stream's first request)")  # fmt: skip
     p.add_argument("--direct-concurrency", type=int_list, default=[64],
                    help="levels also sent to the active engine's Unix socket directly ('none': none)")  # fmt: skip
     p.add_argument("--client-procs", type=int, default=8, help="load client processes")
