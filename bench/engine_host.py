@@ -293,7 +293,8 @@ def quantiles(samples: list[float], points: dict[str, float]) -> dict[str, float
 
 
 def measure_bursts(args: argparse.Namespace, socket_path: str, pid: int, vocab: int) -> dict[str, Any]:
-    asyncio.run(bursts(socket_path, args.burst, 1, args.prompt_len, args.max_tokens, vocab, 0, args.shared_prefix))
+    asyncio.run(bursts(socket_path, args.burst, 1, args.prompt_len, args.max_tokens, vocab, 0,
+                       args.shared_prefix))  # warm  # fmt: skip
     before = thread_cpu(pid) or {}
     rounds = asyncio.run(bursts(socket_path, args.burst, args.rounds, args.prompt_len, args.max_tokens, vocab,
                                 args.resumed, args.shared_prefix))  # fmt: skip

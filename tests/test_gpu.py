@@ -236,27 +236,9 @@ def test_fused_silu_mul_and_strided_rope() -> None:
 def test_norm_and_activation_quantized_for_the_gemm_equal_quantize_groups_bit_for_bit() -> None:
     """What the decode graphs run (engine/native/fused_ops.py, quantize=True) against quantize_groups of the same
     kernels' unquantized output: the same fp8 codes and scales, so the GEMM's output is the same as without fusion."""
-    from engine.native.fused_ops import add_rms_norm, silu_mul
-    from engine.native.triton_fp8 import fp8_block_gemm, quantize_groups
+    from quantize_cases import check_quantized_for_gemm
 
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(0)
-    for rows in (1, 7, 64):
-        x = torch.randn(rows, 4096, device=dev, generator=gen).to(torch.bfloat16)
-        r = torch.randn(rows, 4096, device=dev, generator=gen).to(torch.bfloat16)
-        w = (torch.rand(4096, device=dev, generator=gen) + 0.5).to(torch.bfloat16)
-        x2 = x.clone()
-        plain, fused = add_rms_norm(x, r, w, 1e-5), add_rms_norm(x2, r, w, 1e-5, quantize=True)
-        assert torch.equal(x, x2)
-        gate_up = torch.randn(rows, 2 * 14336, device=dev, generator=gen).to(torch.bfloat16) * 3
-        gate, up = gate_up[:, :14336], gate_up[:, 14336:]
-        for made, reference in ((fused, plain), (silu_mul(gate, up, quantize=True), silu_mul(gate, up))):
-            q, s = quantize_groups(reference, rows)
-            assert torch.equal(made.q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(made.scale, s)
-            k = reference.shape[1]
-            weight = (torch.randn(1024, k, device=dev, generator=gen) / 4).to(torch.float8_e4m3fn)
-            scale = torch.rand(8, k // 128, device=dev, generator=gen) + 0.5
-            assert torch.equal(fp8_block_gemm(made, weight, scale), fp8_block_gemm(reference, weight, scale))
+    check_quantized_for_gemm(torch.device("cuda"), [(1, 4096, 14336), (7, 4096, 14336), (64, 4096, 14336)], None)
 
 
 @pytest.mark.parametrize("kind", [WeightKind.FP8_CHANNEL, WeightKind.FP8_TENSOR])

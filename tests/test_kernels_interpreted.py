@@ -106,28 +106,8 @@ def test_norm_and_activation_quantize_for_the_gemm_as_quantize_groups_does() -> 
     block (the activation's 1,024 columns) and not a power of two."""
     _interpreted("""
         import torch
-        from engine.native.fused_ops import Quantized, add_rms_norm, silu_mul
-        from engine.native.triton_fp8 import fp8_block_gemm, quantize_groups
-        gen = torch.Generator().manual_seed(0)
-        for rows, cols in ((1, 256), (5, 384), (3, 1152)):
-            x = torch.randn(rows, cols, generator=gen).bfloat16()
-            residual = torch.randn(rows, cols, generator=gen).bfloat16()
-            weight = (torch.rand(cols, generator=gen) + 0.5).bfloat16()
-            x_plain = x.clone()
-            plain = add_rms_norm(x_plain, residual, weight, 1e-5)
-            x_fused = x.clone()
-            fused = add_rms_norm(x_fused, residual, weight, 1e-5, quantize=True)
-            gate = torch.randn(rows, cols, generator=gen).bfloat16() * 3
-            up = torch.randn(rows, cols, generator=gen).bfloat16()
-            for made, reference in ((fused, plain), (silu_mul(gate, up, quantize=True), silu_mul(gate, up))):
-                assert isinstance(made, Quantized) and made.dtype == torch.bfloat16
-                q, s = quantize_groups(reference, rows)
-                assert made.q.dtype == q.dtype and torch.equal(made.q.view(torch.uint8), q.view(torch.uint8))
-                assert made.scale.stride() == s.stride() == (1, rows) and torch.equal(made.scale, s)
-                w = (torch.randn(256, cols, generator=gen) / 4).to(torch.float8_e4m3fn)
-                ws = torch.rand(2, cols // 128, generator=gen) + 0.5
-                assert torch.equal(fp8_block_gemm(made, w, ws, split_k=1), fp8_block_gemm(reference, w, ws, split_k=1))
-            assert torch.equal(x_fused, x_plain)  # the residual stream, updated in place alike
+        from quantize_cases import check_quantized_for_gemm
+        check_quantized_for_gemm(torch.device("cpu"), [(1, 256, 256), (5, 384, 384), (3, 1152, 1152)], split_k=1)
     """)
 
 

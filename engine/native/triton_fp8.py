@@ -94,9 +94,9 @@ def fp8_block_gemm(x: torch.Tensor | Quantized, w: torch.Tensor, s: torch.Tensor
     if split_k is not None and k_blocks % split_k:
         raise ValueError(f"split_k={split_k} does not divide the {k_blocks} K blocks")
     if split_k is None:
-        splits = [s for s in range(1, min(k_blocks, MAX_SPLIT) + 1) if k_blocks % s == 0]
+        splits = [k for k in range(1, min(k_blocks, MAX_SPLIT) + 1) if k_blocks % k == 0]
         wanted = 5 * _sm_count(xq.device.index) // 2
-        split_k = next((s for s in splits if n_programs * m_tiles * s >= wanted), splits[-1])
+        split_k = next((k for k in splits if n_programs * m_tiles * k >= wanted), splits[-1])
     out = torch.empty(m, np_, dtype=dtype, device=xq.device)
     tiles = n_programs * m_tiles
     part = torch.empty(split_k * tiles * block_m * block_n if split_k > 1 else 1, dtype=torch.float32,
