@@ -49,6 +49,10 @@ def main() -> None:
     parser.add_argument("--rows", default="1,16,32,64")
     parser.add_argument("--splits", default="", help="also sweep split-K over these (e.g. 1,2,4,8,16; each that "
                                                      "divides the K blocks), for block_n 64/128, 4/8 warps, 3/4 stages")
+    parser.add_argument("--explore", action="store_true",
+                        help="sweep swap-AB (weight rows on the MMA's M side) and TMA weight loads with block_n "
+                             "64/128, 4/8 warps, 3/5 stages at the launch rule's split, then splits 1-16 for each row "
+                             "count's and GEMM's three best")  # fmt: skip
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
@@ -72,12 +76,20 @@ def main() -> None:
                             lambda x, w, s, bn=bn, warps=warps, stages=stages:
                             fp8_block_gemm(x, w, s, block_n=bn, num_warps=warps, num_stages=stages))  # fmt: skip
             splits = [int(v) for v in args.splits.split(",") if v and (k // 128) % int(v) == 0]
-            if splits:
+            if splits or args.explore:
                 variants = {"triton": variants["triton"], **({"cublas": cublas} if m >= 4 else {})}
+            if args.explore:
+                for swap, tma, bn, warps, stages in itertools.product((False, True), (False, True), (64, 128), (4, 8),
+                                                                       (3, 5)):  # fmt: skip
+                    variants[f"triton bn{bn} w{warps} s{stages}{' swap' * swap}{' tma' * tma}"] = (
+                        lambda x, w, s, bn=bn, warps=warps, stages=stages, swap=swap, tma=tma:
+                        fp8_block_gemm(x, w, s, block_n=bn, num_warps=warps, num_stages=stages, swap_ab=swap,
+                                       tma=tma))  # fmt: skip
             for split, bn, warps, stages in itertools.product(splits, (64, 128), (4, 8), (3, 4)):
                 variants[f"triton bn{bn} w{warps} s{stages} k{split}"] = (
                     lambda x, w, s, bn=bn, warps=warps, stages=stages, split=split:
                     fp8_block_gemm(x, w, s, block_n=bn, num_warps=warps, num_stages=stages, split_k=split))  # fmt: skip
+            measured: dict[str, float] = {}
             for label, fn in variants.items():
                 try:
                     err = ((fn(x, *copies[0]).float() - ref).norm() / ref.norm()).item()
@@ -88,7 +100,29 @@ def main() -> None:
                 row = {"gemm": name, "n": n, "k": k, "m": m, "variant": label, "us": round(us, 2),
                        "tb_s": round(n * k / us / 1e6, 3), "rel_err_vs_triton": round(err, 5)}  # fmt: skip
                 rows.append(row)
+                measured[label] = us
                 print(json.dumps(row), flush=True)
+            if args.explore:  # the three best launch choices again, at every split of K
+                best3 = [v for v in sorted(measured, key=measured.get) if v.startswith("triton ")][:3]
+                for label in best3:
+                    bn, warps, stages = (int(part.lstrip('bnws')) for part in label.split()[1:4])
+                    swap, tma = " swap" in label, " tma" in label
+                    for split in (1, 2, 4, 8, 16):
+                        if (k // 128) % split:
+                            continue
+                        def fn(x, w, s, bn=bn, warps=warps, stages=stages, swap=swap, tma=tma, split=split):
+                            return fp8_block_gemm(x, w, s, block_n=bn, num_warps=warps, num_stages=stages,
+                                                  swap_ab=swap, tma=tma, split_k=split)  # fmt: skip
+
+                        try:
+                            us = timed_us(fn, copies, x)
+                        except Exception as exc:
+                            rows.append({"gemm": name, "m": m, "variant": f"{label} k{split}", "error": str(exc)[:200]})
+                            continue
+                        row = {"gemm": name, "n": n, "k": k, "m": m, "variant": f"{label} k{split}", "us": round(us, 2),
+                               "tb_s": round(n * k / us / 1e6, 3)}  # fmt: skip
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
         del copies
         torch.cuda.empty_cache()
     best: dict[str, dict[str, object]] = {}

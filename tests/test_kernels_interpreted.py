@@ -91,8 +91,9 @@ def test_block_fp8_gemm_matches_its_dequantized_operands_for_every_row_tile_and_
             x = torch.randn(m, k, generator=gen)
             q, s = quantize_groups(x, m)
             ref = (q.float() * s.repeat_interleave(128, 1)) @ w_ref.T
-            for block_n, split in ((64, 1), (64, 2), (64, 4), (128, 2)):
-                out = fp8_block_gemm(x, w, ws, block_n=block_n, split_k=split)
+            for block_n, split, swap, tma in ((64, 1, False, False), (64, 2, True, False), (64, 4, False, True),
+                                              (128, 2, False, False), (128, 1, True, True)):
+                out = fp8_block_gemm(x, w, ws, block_n=block_n, split_k=split, swap_ab=swap, tma=tma)
                 assert out.shape == (m, n) and out.dtype == x.dtype
                 torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
         assert torch.count_nonzero(tile_counters(torch.device("cpu"))) == 0  # every tile's counter re-armed

@@ -12,12 +12,14 @@ Metadata as engine/native/attention.py's StepBatch describes it; the torch versi
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from engine.native.attention import StepBatch
-from engine.native.fused_ops import SMALL_ROWS, pdl_enabled, pdl_enter
+from engine.native.fused_ops import SMALL_ROWS, pdl_enabled, pdl_enter, sm_count
 
 MIN_ROWS = 16  # tl.dot needs at least 16 rows
 
@@ -78,29 +80,46 @@ def _paged_attention(
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])  # fmt: skip
 
 
-def launch_shape(group: int, max_query_len: int) -> tuple[int, int]:
-    """(query rows per program, key positions per tile): single rows for decode, 64-row tiles for prefill."""
+class Launch(NamedTuple):
+    block_q: int  # query rows per program
+    block_n: int  # key positions per tile
+    num_warps: int
+    num_stages: int
+
+
+def launch_shape(group: int, max_query_len: int, programs: int, sms: int) -> Launch:
+    """Single rows for decode, 64-row tiles for prefill. Decode with fewer programs (sequences x KV heads) than SMs
+    walks its keys in 256-wide tiles with 8 warps, otherwise 64 with 4: on the H200, for llama3-8b's heads over 32
+    layers, 291 against 347 us a step at batch 1 and 300 positions, 540 against 1,068 at 1,000 and 1,005 against
+    2,082 at 2,000; at batch 64 (512 programs) 764 against 794 at 300 (three stages; bench/attention_decode.py,
+    bench/results/gpu_attention_decode.json)."""
     group_p2 = triton.next_power_of_2(group)
-    if max_query_len == 1:
-        return max(1, MIN_ROWS // group_p2), 64
-    return max(1, 64 // group_p2), 64
+    if max_query_len > 1:
+        return Launch(max(1, 64 // group_p2), 64, 4, 2)
+    if programs < sms:
+        return Launch(max(1, MIN_ROWS // group_p2), 256, 8, 3)
+    return Launch(max(1, MIN_ROWS // group_p2), 64, 4, 3)
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: StepBatch,
-                    scale: float) -> torch.Tensor:  # fmt: skip
-    """q [T, heads, d] against one layer's cache [slots, kv_heads, d] -> [T, heads * d]."""
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: StepBatch, scale: float,
+                    block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                    block_q: int | None = None) -> torch.Tensor:  # fmt: skip
+    """q [T, heads, d] against one layer's cache [slots, kv_heads, d] -> [T, heads * d]. ``block_n``, ``num_warps``,
+    ``num_stages``, ``block_q``: launch choices other than launch_shape's (bench/attention_decode.py sweeps them)."""
     t, heads, d = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
-    block_q, block_n = launch_shape(group, batch.max_query_len)
-    out = torch.empty(t, heads, d, dtype=q.dtype, device=q.device)
     seqs = batch.seq_lens.shape[0]
+    launch = launch_shape(group, batch.max_query_len, seqs * kv_heads, sm_count(q.device))
+    block_q, block_n = block_q or launch.block_q, block_n or launch.block_n
+    out = torch.empty(t, heads, d, dtype=q.dtype, device=q.device)
     grid = (seqs, triton.cdiv(batch.max_query_len, block_q), kv_heads)
     _paged_attention[grid](
         q, k_cache, v_cache, out, batch.block_tables, batch.seq_lens, batch.query_start, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
         batch.block_tables.stride(0), GROUP=group, GROUP_P2=triton.next_power_of_2(group), BLOCK_Q=block_q,
-        BLOCK_N=block_n, PAGE=batch.block_size, D=d, D_P2=triton.next_power_of_2(d), num_warps=4, num_stages=2,
+        BLOCK_N=block_n, PAGE=batch.block_size, D=d, D_P2=triton.next_power_of_2(d),
+        num_warps=num_warps or launch.num_warps, num_stages=num_stages or launch.num_stages,
         USE_PDL=(pdl := pdl_enabled(q.device) and t <= SMALL_ROWS), launch_pdl=pdl,
     )  # fmt: skip
     return out.view(t, heads * d)

@@ -17,13 +17,11 @@ bench/results/gpu_gemm_small_m.json: its "prequantized" rows are this kernel).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from engine.native.fused_ops import FP8_MAX, GROUP, SMALL_ROWS, Quantized, pdl_enabled, pdl_enter
+from engine.native.fused_ops import FP8_MAX, GROUP, SMALL_ROWS, Quantized, pdl_enabled, pdl_enter, sm_count
 
 BLOCK_K = 128
 MAX_SPLIT = 16  # the most K splits a launch picks: the partial sums' traffic grows with them
@@ -33,7 +31,7 @@ MAX_SPLIT = 16  # the most K splits a launch picks: the partial sums' traffic gr
 def _fp8_block_gemm(
     xq_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, stride_xm, stride_xs, stride_wn, stride_sn,
     stride_om, SPLITS: tl.constexpr, K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, TMA: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(USE_PDL)
     pid_n = tl.program_id(0)
@@ -44,13 +42,24 @@ def _fp8_block_gemm(
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m[:, None] < M
     k_begin = pid_k * K_PER_SPLIT
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP_AB:  # weight rows as the MMA's M side (64+ rows: Hopper's wgmma), the few tokens as its N side
+        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_begin, k_begin + K_PER_SPLIT, BLOCK_K):
         xq = tl.load(xq_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=m_mask, other=0.0)
         x_scale = tl.load(xs_ptr + (k0 // BLOCK_K) * stride_xs + offs_m, mask=offs_m < M, other=0.0)
-        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :])
+        if TMA:  # w_ptr is a host-made tensor descriptor of the weight: Hopper's bulk copies
+            w = w_ptr.load([pid_n * BLOCK_N, k0])
+        else:
+            w = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :])
         w_scale = tl.load(s_ptr + (offs_n // 128) * stride_sn + k0 // 128)
-        acc += tl.dot(xq, tl.trans(w)) * x_scale[:, None] * w_scale[None, :]
+        if SWAP_AB:
+            acc_t += tl.dot(w, tl.trans(xq)) * w_scale[:, None] * x_scale[None, :]
+        else:
+            acc += tl.dot(xq, tl.trans(w)) * x_scale[:, None] * w_scale[None, :]
+    if SWAP_AB:
+        acc = tl.trans(acc_t)
     out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     if SPLITS == 1:
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask)
@@ -73,21 +82,26 @@ def _fp8_block_gemm(
 
 
 def fp8_block_gemm(x: torch.Tensor | Quantized, w: torch.Tensor, s: torch.Tensor, block_n: int | None = None,
-                   split_k: int | None = None, num_warps: int | None = None,
-                   num_stages: int = 3) -> torch.Tensor:  # fmt: skip
+                   split_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                   swap_ab: bool = True, tma: bool | None = None) -> torch.Tensor:  # fmt: skip
     """x [M, Kp] bf16 (or already quantized: engine/native/fused_ops.py), w [Np, Kp] fp8, s [>=Np/128, >=Kp/128]
-    fp32 -> [M, Np] in x's dtype."""
+    fp32 -> [M, Np] in x's dtype. Launch choices left as None follow the rule below."""
     xq, xs, dtype = x if isinstance(x, Quantized) else (*quantize_groups(x, x.shape[0]), x.dtype)
     m, kp = xq.shape
     np_ = w.shape[0]
     block_m = min(64, max(16, triton.next_power_of_2(m)))
-    # Launch choices from the H200 sweep over block_n, warps, stages and split-K (bench/gemm_small_m.py --splits,
-    # bench/results/gpu_gemm_small_m_splits.json): 64 columns and 4 warps a program, K split so that there are at
-    # least 2.5 programs per SM. For llama3-8b's four layer GEMMs: 77.7 / 81.3 / 98.1 / 102.7 us at 1 / 16 / 32 / 64
-    # rows, against 76.0 / 78.9 / 92.8 / 98.4 for the best choice of each GEMM alone and 83.3 / 84.2 / 109.7 / 108.0
-    # for the launch rule before it (128 columns and 8 warps to 16 rows, K split to about two programs per SM).
+    # Launch choices from H200 sweeps (bench/gemm_small_m.py --splits, then --explore:
+    # bench/results/gpu_gemm_small_m_{splits,explore}.json): 64 columns and 4 warps a program, K split so that there
+    # are at least 2.5 programs per SM, the weight tile as the MMA's left operand (swap-AB: its 64 rows fill
+    # Hopper's wgmma, the tokens are the narrow side), and for one row tile of 16 the weight brought in by TMA, five
+    # stages deep. For llama3-8b's four layer GEMMs: 73.1 / 79.7 / 101.0 us at 1 / 16 / 64 rows against
+    # 79.9 / 82.0 / 103.1 for the same rule unswapped, through plain loads, three stages (72.0 / 77.4 / 96.1 for the
+    # best choice of each GEMM alone).
     block_n = block_n or 64
     num_warps = num_warps or 4
+    if tma is None:
+        tma = block_m == 16 and w.data_ptr() % 16 == 0 and w.stride(1) == 1  # TMA: 16-byte aligned rows
+    num_stages = num_stages or (5 if block_m == 16 else 3)
     m_tiles = triton.cdiv(m, block_m)
     n_programs = np_ // block_n
     k_blocks = kp // BLOCK_K
@@ -95,16 +109,22 @@ def fp8_block_gemm(x: torch.Tensor | Quantized, w: torch.Tensor, s: torch.Tensor
         raise ValueError(f"split_k={split_k} does not divide the {k_blocks} K blocks")
     if split_k is None:
         splits = [k for k in range(1, min(k_blocks, MAX_SPLIT) + 1) if k_blocks % k == 0]
-        wanted = 5 * _sm_count(xq.device.index) // 2
+        wanted = 5 * sm_count(xq.device) // 2
         split_k = next((k for k in splits if n_programs * m_tiles * k >= wanted), splits[-1])
     out = torch.empty(m, np_, dtype=dtype, device=xq.device)
     tiles = n_programs * m_tiles
     part = torch.empty(split_k * tiles * block_m * block_n if split_k > 1 else 1, dtype=torch.float32,
                        device=xq.device)  # fmt: skip
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        w_arg = TensorDescriptor.from_tensor(w, [block_n, BLOCK_K])
+    else:
+        w_arg = w
     _fp8_block_gemm[(n_programs, split_k, m_tiles)](
-        xq, xs, w, s, out, part, tile_counters(xq.device, tiles), m, np_, xq.stride(0), xs.stride(1), w.stride(0),
+        xq, xs, w_arg, s, out, part, tile_counters(xq.device, tiles), m, np_, xq.stride(0), xs.stride(1), w.stride(0),
         s.stride(0), out.stride(0), SPLITS=split_k, K_PER_SPLIT=kp // split_k, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=BLOCK_K, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_K=BLOCK_K, SWAP_AB=swap_ab, TMA=tma, num_warps=num_warps, num_stages=num_stages,
         USE_PDL=(pdl := pdl_enabled(xq.device) and m <= SMALL_ROWS), launch_pdl=pdl,
     )  # fmt: skip
     return out
@@ -125,12 +145,6 @@ def tile_counters(device: torch.device, tiles: int = 1) -> torch.Tensor:
         counters = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=device)
         _COUNTERS[device] = counters
     return counters
-
-
-@functools.cache
-def _sm_count(device_index: int | None) -> int:
-    index = device_index if device_index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 @triton.jit
