@@ -87,9 +87,10 @@ class Launch(NamedTuple):
     num_stages: int
 
 
-def launch_shape(group: int, max_query_len: int, programs: int, sms: int) -> Launch:
+def launch_shape(group: int, max_query_len: int, programs: int, sms: int, dim: int = 128) -> Launch:
     """Single rows for decode, 64-row tiles for prefill. Decode with fewer programs (sequences x KV heads) than SMs
-    walks its keys in 256-wide tiles with 8 warps, otherwise 64 with 4: on the H200, for llama3-8b's heads over 32
+    walks its keys in 256-wide tiles with 8 warps (narrower past head dim 128: the same shared memory), otherwise 64
+    with 4: on the H200, for llama3-8b's heads over 32
     layers, 291 against 347 us a step at batch 1 and 300 positions, 540 against 1,068 at 1,000 and 1,005 against
     2,082 at 2,000; at batch 64 (512 programs) 764 against 794 at 300 (three stages; bench/attention_decode.py,
     bench/results/gpu_attention_decode.json)."""
@@ -97,7 +98,7 @@ def launch_shape(group: int, max_query_len: int, programs: int, sms: int) -> Lau
     if max_query_len > 1:
         return Launch(max(1, 64 // group_p2), 64, 4, 2)
     if programs < sms:
-        return Launch(max(1, MIN_ROWS // group_p2), 256, 8, 3)
+        return Launch(max(1, MIN_ROWS // group_p2), min(256, 256 * 128 // triton.next_power_of_2(dim)), 8, 3)
     return Launch(max(1, MIN_ROWS // group_p2), 64, 4, 3)
 
 
@@ -110,7 +111,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
     seqs = batch.seq_lens.shape[0]
-    launch = launch_shape(group, batch.max_query_len, seqs * kv_heads, sm_count(q.device))
+    launch = launch_shape(group, batch.max_query_len, seqs * kv_heads, sm_count(q.device), d)
     block_q, block_n = block_q or launch.block_q, block_n or launch.block_n
     out = torch.empty(t, heads, d, dtype=q.dtype, device=q.device)
     grid = (seqs, triton.cdiv(batch.max_query_len, block_q), kv_heads)

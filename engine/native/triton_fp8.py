@@ -17,6 +17,9 @@ bench/results/gpu_gemm_small_m.json: its "prequantized" rows are this kernel).
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -99,8 +102,8 @@ def fp8_block_gemm(x: torch.Tensor | Quantized, w: torch.Tensor, s: torch.Tensor
     # best choice of each GEMM alone).
     block_n = block_n or 64
     num_warps = num_warps or 4
-    if tma is None:
-        tma = block_m == 16 and w.data_ptr() % 16 == 0 and w.stride(1) == 1  # TMA: 16-byte aligned rows
+    if tma is None:  # TMA: 16-byte aligned rows, and a Triton that makes host-side descriptors (3.4+)
+        tma = block_m == 16 and w.data_ptr() % 16 == 0 and w.stride(1) == 1 and _tensor_descriptor() is not None
     num_stages = num_stages or (5 if block_m == 16 else 3)
     m_tiles = triton.cdiv(m, block_m)
     n_programs = np_ // block_n
@@ -115,12 +118,7 @@ def fp8_block_gemm(x: torch.Tensor | Quantized, w: torch.Tensor, s: torch.Tensor
     tiles = n_programs * m_tiles
     part = torch.empty(split_k * tiles * block_m * block_n if split_k > 1 else 1, dtype=torch.float32,
                        device=xq.device)  # fmt: skip
-    if tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        w_arg = TensorDescriptor.from_tensor(w, [block_n, BLOCK_K])
-    else:
-        w_arg = w
+    w_arg = _tensor_descriptor().from_tensor(w, [block_n, BLOCK_K]) if tma else w
     _fp8_block_gemm[(n_programs, split_k, m_tiles)](
         xq, xs, w_arg, s, out, part, tile_counters(xq.device, tiles), m, np_, xq.stride(0), xs.stride(1), w.stride(0),
         s.stride(0), out.stride(0), SPLITS=split_k, K_PER_SPLIT=kp // split_k, BLOCK_M=block_m, BLOCK_N=block_n,
@@ -128,6 +126,15 @@ def fp8_block_gemm(x: torch.Tensor | Quantized, w: torch.Tensor, s: torch.Tensor
         USE_PDL=(pdl := pdl_enabled(xq.device) and m <= SMALL_ROWS), launch_pdl=pdl,
     )  # fmt: skip
     return out
+
+
+@functools.cache
+def _tensor_descriptor() -> Any:  # triton.tools.tensor_descriptor.TensorDescriptor, or None before Triton 3.4
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        return None
+    return TensorDescriptor
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
