@@ -308,7 +308,7 @@ def test_fused_rope_kv_write_matches_separate_ops() -> None:
     assert int((k_cache != 0).any(dim=-1).sum()) == t * kv_heads, "nothing else written"
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(32, 8, 128), (9, 3, 64), (16, 8, 128)])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(32, 8, 128), (9, 3, 64), (16, 8, 128), (8, 4, 256)])
 def test_paged_attention_kernel_matches_reference(heads: int, kv_heads: int, dim: int) -> None:
     """Decode rows, fresh prompts and later chunks of long prompts in one launch, in bf16."""
     from attention_cases import check_paged_attention
