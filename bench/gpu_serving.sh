@@ -68,16 +68,20 @@ demo._write_marker(t, 'fp8-block', seconds=0.0)"
             cp $RUN/structured/serve_load.md $OUT/structured.md 2>/dev/null
             cp $RUN/structured/serve_load.json $OUT/structured.json 2>/dev/null ;;
     prefix) # Prefix caching (issue 25): 64 streams sharing a 2,000-token system prompt, each with its own ~50-token
-            # question, with the cache on (the default) and off; PREFIX_RAMP=S also spreads the streams' starts over S
-            # seconds (serve_load --ramp-s; default 0: a wave after the warm-up). ~1 min per run on a warm machine.
-            for caching in true false; do
-              timeout -k 30 ${PREFIX_TIMEOUT:-270} python3 bench/serve_load.py --model $MODEL --device cuda \
-                --max-num-seqs 128 --kv-cache-bytes 20000000000 --out $RUN/prefix-$caching --deadline-s 200 \
-                --concurrency 64 --requests-per-client 4 --direct-concurrency 0 --restart-probe 0 \
-                --shared-prefix 2000 --prompt-len 50 --engine-set enable_prefix_caching=$caching \
-                --ramp-s ${PREFIX_RAMP:-0} 2>&1 | tail -8
-              cp $RUN/prefix-$caching/serve_load.md $OUT/prefix-$caching.md 2>/dev/null
-              cp $RUN/prefix-$caching/serve_load.json $OUT/prefix-$caching.json 2>/dev/null
+            # question, with the cache on (the default) and off, the streams started together after the warm-up
+            # (waves) and with their starts spread over 2 s (serve_load --ramp-s); PREFIX_RAMPS overrides the spreads
+            # ("0 2"). ~1 min per run on a warm machine.
+            for ramp in ${PREFIX_RAMPS:-0 2}; do
+              for caching in true false; do
+                NAME=prefix-$caching-ramp$ramp
+                timeout -k 30 ${PREFIX_TIMEOUT:-270} python3 bench/serve_load.py --model $MODEL --device cuda \
+                  --max-num-seqs 128 --kv-cache-bytes 20000000000 --out $RUN/$NAME --deadline-s 200 \
+                  --concurrency 64 --requests-per-client 4 --direct-concurrency 0 --restart-probe 0 \
+                  --shared-prefix 2000 --prompt-len 50 --engine-set enable_prefix_caching=$caching \
+                  --ramp-s $ramp 2>&1 | tail -8
+                cp $RUN/$NAME/serve_load.md $OUT/$NAME.md 2>/dev/null
+                cp $RUN/$NAME/serve_load.json $OUT/$NAME.json 2>/dev/null
+              done
             done ;;
     defaults) # Issue 24: `warmgate serve --model M` with no engine settings (the memory plan sizes everything) at 64
             # and 256 streams, then the hand-tuned settings of the other runs at 64 streams. ~3 min each.
