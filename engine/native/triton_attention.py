@@ -90,9 +90,9 @@ class Launch(NamedTuple):
 def launch_shape(group: int, max_query_len: int, programs: int, sms: int, dim: int = 128) -> Launch:
     """Single rows for decode, 64-row tiles for prefill. Decode with fewer programs (sequences x KV heads) than SMs
     walks its keys in 256-wide tiles with 8 warps (narrower past head dim 128: the same shared memory), otherwise 64
-    with 4: on the H200, for llama3-8b's heads over 32
-    layers, 291 against 347 us a step at batch 1 and 300 positions, 540 against 1,068 at 1,000 and 1,005 against
-    2,082 at 2,000; at batch 64 (512 programs) 764 against 794 at 300 (three stages; bench/attention_decode.py,
+    with 4; three stages. On the H200, for llama3-8b's heads over 32 layers, against 64-wide tiles with 4 warps and
+    2 stages: 291 against 347 us a step at batch 1 and 300 positions, 540 against 1,068 at 1,000, 1,005 against 2,082
+    at 2,000; at batch 64 (512 programs) 764 against 794 at 300 (bench/attention_decode.py,
     bench/results/gpu_attention_decode.json)."""
     group_p2 = triton.next_power_of_2(group)
     if max_query_len > 1:
