@@ -45,7 +45,7 @@ def _fp8_block_gemm(
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m[:, None] < M
     k_begin = pid_k * K_PER_SPLIT
-    if SWAP_AB:  # weight rows as the MMA's M side (64+ rows: Hopper's wgmma), the few tokens as its N side
+    if SWAP_AB:  # weight rows as the MMA's M side (wgmma's is 64 rows), the few tokens as its N side
         acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -95,8 +95,8 @@ def fp8_block_gemm(x: torch.Tensor | Quantized, w: torch.Tensor, s: torch.Tensor
     block_m = min(64, max(16, triton.next_power_of_2(m)))
     # Launch choices from H200 sweeps (bench/gemm_small_m.py --splits, then --explore:
     # bench/results/gpu_gemm_small_m_{splits,explore}.json): 64 columns and 4 warps a program, K split so that there
-    # are at least 2.5 programs per SM, the weight tile as the MMA's left operand (swap-AB: its 64 rows fill
-    # Hopper's wgmma, the tokens are the narrow side), and for one row tile of 16 the weight brought in by TMA, five
+    # are at least 2.5 programs per SM, the weight tile as the MMA's left operand (swap-AB: its 64 rows on the side
+    # that Hopper's wgmma takes 64 at a time, the tokens on the narrow side), and for one row tile of 16 the weight brought in by TMA, five
     # stages deep. For llama3-8b's four layer GEMMs: 73.1 / 79.7 / 101.0 us at 1 / 16 / 64 rows against
     # 79.9 / 82.0 / 103.1 for the same rule unswapped, through plain loads, three stages (72.0 / 77.4 / 96.1 for the
     # best choice of each GEMM alone).
