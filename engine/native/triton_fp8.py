@@ -97,9 +97,9 @@ def fp8_block_gemm(x: torch.Tensor | Quantized, w: torch.Tensor, s: torch.Tensor
     # bench/results/gpu_gemm_small_m_{splits,explore}.json): 64 columns and 4 warps a program, K split so that there
     # are at least 2.5 programs per SM, the weight tile as the MMA's left operand (swap-AB: its 64 rows on the side
     # that Hopper's wgmma takes 64 at a time, the tokens on the narrow side), and for one row tile of 16 the weight
-    # brought in by TMA, five stages deep. For llama3-8b's four layer GEMMs: 73.1 / 79.7 / 101.0 us at 1 / 16 / 64 rows against
-    # 79.9 / 82.0 / 103.1 for the same rule unswapped, through plain loads, three stages (72.0 / 77.4 / 96.1 for the
-    # best choice of each GEMM alone).
+    # brought in by TMA, five stages deep. For llama3-8b's four layer GEMMs: 73.1 / 79.7 / 101.0 us at 1 / 16 / 64
+    # rows against 79.9 / 82.0 / 103.1 for the same rule unswapped, through plain loads, three stages (72.0 / 77.4 /
+    # 96.1 for the best choice of each GEMM alone).
     block_n = block_n or 64
     num_warps = num_warps or 4
     if tma is None:  # TMA: 16-byte aligned rows, and a Triton that makes host-side descriptors (3.4+)
