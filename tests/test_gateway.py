@@ -387,20 +387,18 @@ def test_metrics_agree_with_what_clients_saw(gateway: Gateway) -> None:
                     usages.append(chunk["usage"])
     whole = gateway.client().completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=5, temperature=0)
     usages.append(whole.usage.model_dump())
-
-    def grew(name: str) -> float:
-        return after.get(name, 0) - before.get(name, 0)
-
     # A relay counts a request once its last byte is written: the client may read that byte and ask for /metrics
     # (maybe of another relay) before the counting coroutine resumes. Read until the three requests are counted.
     done = [f'warmgate:requests_total{{route="{route}",status="200"}}' for route in (chat, text)]
-    deadline = time.monotonic() + 10
-    while True:
-        after = _metrics(gateway)
-        if sum(grew(name) for name in done) >= 3 or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    assert [grew(name) for name in done] == [1, 2]
+
+    def counted() -> dict[str, float] | None:
+        read = _metrics(gateway)
+        return read if [read.get(n, 0) - before.get(n, 0) for n in done] == [1, 2] else None
+
+    after = wait_for(counted, 10, "one chat and two completion requests counted as 200s in /metrics")
+
+    def grew(name: str) -> float:
+        return after.get(name, 0) - before.get(name, 0)
 
     assert after["warmgate:num_requests_running"] == 0
     assert grew("warmgate:prompt_tokens_total") == sum(u["prompt_tokens"] for u in usages)
