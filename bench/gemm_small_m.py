@@ -13,6 +13,7 @@ import itertools
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -41,6 +42,25 @@ def timed_us(fn, copies: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tenso
     """GPU time of one call, from a CUDA graph that calls it once per weight copy, twice round."""
     turn = itertools.cycle(copies)
     return graphed_us(lambda: fn(x, *next(turn)), calls=2 * len(copies))
+
+
+def measure(case: tuple, label: str, fn: Callable[..., torch.Tensor]) -> float | None:
+    """Time one launch choice on ``case`` (rows to append to, GEMM name, x, the reference output, weight copies):
+    its row appended and printed; None for a choice that does not launch."""
+    rows, name, x, ref, copies = case
+    n, k = GEMMS[name]
+    m = x.shape[0]
+    try:
+        err = ((fn(x, *copies[0]).float() - ref).norm() / ref.norm()).item()
+        us = timed_us(fn, copies, x)
+    except Exception as exc:  # a launch choice that does not fit (shared memory): recorded, skipped
+        rows.append({"gemm": name, "m": m, "variant": label, "error": str(exc)[:200]})
+        return None
+    row = {"gemm": name, "n": n, "k": k, "m": m, "variant": label, "us": round(us, 2),
+           "tb_s": round(n * k / us / 1e6, 3), "rel_err_vs_triton": round(err, 5)}  # fmt: skip
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+    return us
 
 
 def main() -> None:
@@ -78,51 +98,28 @@ def main() -> None:
             splits = [int(v) for v in args.splits.split(",") if v and (k // 128) % int(v) == 0]
             if splits or args.explore:
                 variants = {"triton": variants["triton"], **({"cublas": cublas} if m >= 4 else {})}
+            launches: dict[str, dict[str, object]] = {}  # --explore's launch choices, by label
             if args.explore:
                 for swap, tma, bn, warps, stages in itertools.product((False, True), (False, True), (64, 128), (4, 8),
                                                                        (3, 5)):  # fmt: skip
-                    variants[f"triton bn{bn} w{warps} s{stages}{' swap' * swap}{' tma' * tma}"] = (
-                        lambda x, w, s, bn=bn, warps=warps, stages=stages, swap=swap, tma=tma:
-                        fp8_block_gemm(x, w, s, block_n=bn, num_warps=warps, num_stages=stages, swap_ab=swap,
-                                       tma=tma))  # fmt: skip
+                    launch = {"block_n": bn, "num_warps": warps, "num_stages": stages, "swap_ab": swap, "tma": tma}
+                    label = f"triton bn{bn} w{warps} s{stages}{' swap' * swap}{' tma' * tma}"
+                    launches[label] = launch
+                    variants[label] = lambda x, w, s, launch=launch: fp8_block_gemm(x, w, s, **launch)
             for split, bn, warps, stages in itertools.product(splits, (64, 128), (4, 8), (3, 4)):
                 variants[f"triton bn{bn} w{warps} s{stages} k{split}"] = (
                     lambda x, w, s, bn=bn, warps=warps, stages=stages, split=split:
                     fp8_block_gemm(x, w, s, block_n=bn, num_warps=warps, num_stages=stages, split_k=split))  # fmt: skip
-            measured: dict[str, float] = {}
-            for label, fn in variants.items():
-                try:
-                    err = ((fn(x, *copies[0]).float() - ref).norm() / ref.norm()).item()
-                    us = timed_us(fn, copies, x)
-                except Exception as exc:  # a launch choice that does not fit (shared memory): recorded, skipped
-                    rows.append({"gemm": name, "m": m, "variant": label, "error": str(exc)[:200]})
-                    continue
-                row = {"gemm": name, "n": n, "k": k, "m": m, "variant": label, "us": round(us, 2),
-                       "tb_s": round(n * k / us / 1e6, 3), "rel_err_vs_triton": round(err, 5)}  # fmt: skip
-                rows.append(row)
-                measured[label] = us
-                print(json.dumps(row), flush=True)
-            if args.explore:  # the three best launch choices again, at every split of K
-                best3 = [v for v in sorted(measured, key=measured.get) if v.startswith("triton ")][:3]
-                for label in best3:
-                    bn, warps, stages = (int(part.lstrip('bnws')) for part in label.split()[1:4])
-                    swap, tma = " swap" in label, " tma" in label
-                    for split in (1, 2, 4, 8, 16):
-                        if (k // 128) % split:
-                            continue
-                        def fn(x, w, s, bn=bn, warps=warps, stages=stages, swap=swap, tma=tma, split=split):
-                            return fp8_block_gemm(x, w, s, block_n=bn, num_warps=warps, num_stages=stages,
-                                                  swap_ab=swap, tma=tma, split_k=split)  # fmt: skip
 
-                        try:
-                            us = timed_us(fn, copies, x)
-                        except Exception as exc:
-                            rows.append({"gemm": name, "m": m, "variant": f"{label} k{split}", "error": str(exc)[:200]})
-                            continue
-                        row = {"gemm": name, "n": n, "k": k, "m": m, "variant": f"{label} k{split}", "us": round(us, 2),
-                               "tb_s": round(n * k / us / 1e6, 3)}  # fmt: skip
-                        rows.append(row)
-                        print(json.dumps(row), flush=True)
+            case = (rows, name, x, ref, copies)
+            measured = {label: us for label, fn in variants.items() if (us := measure(case, label, fn)) is not None}
+            # --explore: the three best launch choices again, at every split of K
+            for label in sorted((v for v in measured if v in launches), key=measured.__getitem__)[:3]:
+                for split in (1, 2, 4, 8, 16):
+                    if (k // 128) % split == 0:
+                        launch = {**launches[label], "split_k": split}
+                        measure(case, f"{label} k{split}",
+                                lambda x, w, s, launch=launch: fp8_block_gemm(x, w, s, **launch))  # fmt: skip
         del copies
         torch.cuda.empty_cache()
     best: dict[str, dict[str, object]] = {}

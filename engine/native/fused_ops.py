@@ -174,8 +174,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, quantize: bool = False) -> to
     """silu(gate) * up for [T, I] views (rows may be slices of one merged gate/up output). ``quantize``: returned
     quantized for a block-FP8 GEMM (I a multiple of 128)."""
     rows, cols = gate.shape
-    plain = torch.empty(rows, cols, dtype=gate.dtype, device=gate.device)
-    out = quantized_like(plain) if quantize else plain
+    out = quantized_like(gate) if quantize else torch.empty(rows, cols, dtype=gate.dtype, device=gate.device)
     dest, scales = out[:2] if quantize else (out, out)  # unquantized: no scales are written
     block = 1024
     pdl = pdl_enabled(gate.device) and rows <= SMALL_ROWS
