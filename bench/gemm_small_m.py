@@ -22,7 +22,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.gpu_step_profile import graphed_us
-from engine.native.triton_fp8 import fp8_block_gemm, quantize_groups, tile_counters
+from engine.native.triton_fp8 import fp8_block_gemm, quantize_groups
 
 GEMMS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 L2_BYTES = 200 << 20  # weight copies cycled per timing: more than the H200's 50 MB of L2, several times over
@@ -76,7 +76,6 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    tile_counters(torch.device("cuda"))
     rows: list[dict[str, object]] = []
     began = time.perf_counter()
     for name, (n, k) in GEMMS.items():

@@ -266,10 +266,10 @@ def test_rowwise_fp8_kernel_matches_dequantized_reference_for_every_m(kind: Weig
 
 
 @pytest.mark.parametrize(("n", "k", "split_k"), [(4096, 4096, 8), (6144, 4096, 4), (4096, 14336, 8), (1024, 2048, 2)])
-def test_split_k_in_kernel_reduction_is_exact_and_repeatable(n: int, k: int, split_k: int) -> None:
-    """The last-arriving program sums the split planes: same result as one program over all of K
-    (up to fp32 summation order), identical across calls, and the counters re-arm themselves."""
-    from engine.native.triton_fp8 import fp8_block_gemm, tile_counters
+def test_split_k_sum_is_exact_and_repeatable(n: int, k: int, split_k: int) -> None:
+    """_sum_planes adds the split planes: same result as one program over all of K (up to fp32 summation order),
+    identical across calls."""
+    from engine.native.triton_fp8 import fp8_block_gemm
 
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(n + k)
@@ -281,7 +281,6 @@ def test_split_k_in_kernel_reduction_is_exact_and_repeatable(n: int, k: int, spl
         runs = [fp8_block_gemm(x, q, s, split_k=split_k) for _ in range(20)]
         assert all(torch.equal(runs[0], r) for r in runs), "split-K result changed between calls"
         assert float((runs[0].float() - whole).norm() / whole.norm()) < 1e-2
-        assert int(tile_counters(dev, 1).abs().sum()) == 0, "a tile counter was left armed"
     with pytest.raises(ValueError, match="does not divide"):
         fp8_block_gemm(x, q, s, split_k=k // 128 + 1)
 

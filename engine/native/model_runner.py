@@ -251,9 +251,6 @@ class ModelRunner:
         capture, and each free waits for the device, which another engine keeps busy on the fork path).
         """
         begin = time.perf_counter()
-        from engine.native.triton_fp8 import tile_counters
-
-        tile_counters(self.device)  # zeroed now: the warm-ups run at sizes that use cuBLAS, not this kernel
         keys = sorted([("mixed", t) for t in self.mixed_sizes] + [("decode", b) for b in self.decode_sizes],
                       key=lambda k: -k[1])  # fmt: skip
         seen: set[str] = set()

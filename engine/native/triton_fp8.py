@@ -8,6 +8,12 @@ fp32 partial product), streams the weight once, and splits K across programs so 
 loads in flight. It consumes the same processed tensors: weight [Np, Kp] (padded to 128),
 weight_scale [>=Np/128, >=Kp/128].
 
+Split-K's fp32 planes are added up by a second kernel of many small programs, in a fixed order. Until 2026-12-03 the
+last of a tile's programs to arrive (a per-tile counter) summed them inside the GEMM: one launch fewer, but that one
+program's reads made the tail; on the H200 the second kernel is faster for qkv / o / down by 2.3 / 1.3 / 2.1 us at
+one row and 2.6 / 6.0 / 9.6 us at 64 (bench/gemm_split_k_probe.py, bench/results/gpu_gemm_split_k_probe.json), and
+the graphed decode step went 2.87 -> 2.80 ms at batch 1, 4.45 -> 4.01 ms at 64.
+
 The activations are quantized once per GEMM, not by every program that reads them (each of the
 N / BLOCK_N programs of a row tile used to quantize the same rows again): on the H200, for
 llama3-8b's four layer GEMMs, 79 us against 91 at M = 1, 85 against 96 at 16, and 98 and 105 us
@@ -28,11 +34,12 @@ from engine.native.fused_ops import FP8_MAX, GROUP, SMALL_ROWS, Quantized, pdl_e
 
 BLOCK_K = 128
 MAX_SPLIT = 16  # the most K splits a launch picks: the partial sums' traffic grows with them
+SUM_ROWS = 4  # rows of a tile per program of split-K's _sum_planes
 
 
 @triton.jit
 def _fp8_block_gemm(
-    xq_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, stride_xm, stride_xs, stride_wn, stride_sn,
+    xq_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, M, N, stride_xm, stride_xs, stride_wn, stride_sn,
     stride_om, SPLITS: tl.constexpr, K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, TMA: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
@@ -66,22 +73,32 @@ def _fp8_block_gemm(
     out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     if SPLITS == 1:
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask)
-    else:
-        # Split-K: each program leaves its fp32 partial in its own plane; the last of a tile's
-        # SPLITS programs to arrive adds the planes up in a fixed order (deterministic) and
-        # re-arms the tile's counter for the next call. No second kernel, no float atomics.
+    else:  # split-K: each program leaves its fp32 partial in its own plane; _sum_planes adds them up
         tile = (pid_m * tl.num_programs(0) + pid_n) * BLOCK_M * BLOCK_N
         local = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
         plane = tl.num_programs(0) * tl.num_programs(2) * BLOCK_M * BLOCK_N
         tl.store(part_ptr + pid_k * plane + tile + local, acc, mask=m_mask)
-        tl.debug_barrier()  # every thread's partial is written before the counter moves
-        counter = count_ptr + pid_m * tl.num_programs(0) + pid_n
-        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1:
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for i in range(SPLITS):
-                total += tl.load(part_ptr + i * plane + tile + local, mask=m_mask, other=0.0, cache_modifier=".cg")
-            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=m_mask)
-            tl.atomic_xchg(counter, 0)
+
+
+@triton.jit
+def _sum_planes(part_ptr, out_ptr, M, stride_om, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                ROWS: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+    """Split-K's second kernel: ROWS rows of one output tile, its SPLITS planes added in a fixed order
+    (deterministic), many small programs so that no single one reads a whole tile's planes."""
+    pdl_enter(USE_PDL)
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rows = tl.program_id(2) * ROWS + tl.arange(0, ROWS)
+    offs_m = pid_m * BLOCK_M + rows
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m[:, None] < M
+    tile = (pid_m * tl.num_programs(0) + pid_n) * BLOCK_M * BLOCK_N
+    local = rows[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    plane = tl.num_programs(0) * tl.num_programs(1) * BLOCK_M * BLOCK_N
+    total = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    for i in tl.static_range(SPLITS):
+        total += tl.load(part_ptr + i * plane + tile + local, mask=m_mask, other=0.0)
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], total.to(out_ptr.dtype.element_ty), mask=m_mask)
 
 
 def fp8_block_gemm(x: torch.Tensor | Quantized, w: torch.Tensor, s: torch.Tensor, block_n: int | None = None,
@@ -120,11 +137,16 @@ def fp8_block_gemm(x: torch.Tensor | Quantized, w: torch.Tensor, s: torch.Tensor
                        device=xq.device)  # fmt: skip
     w_arg = _tensor_descriptor().from_tensor(w, [block_n, BLOCK_K]) if tma else w
     _fp8_block_gemm[(n_programs, split_k, m_tiles)](
-        xq, xs, w_arg, s, out, part, tile_counters(xq.device, tiles), m, np_, xq.stride(0), xs.stride(1), w.stride(0),
+        xq, xs, w_arg, s, out, part, m, np_, xq.stride(0), xs.stride(1), w.stride(0),
         s.stride(0), out.stride(0), SPLITS=split_k, K_PER_SPLIT=kp // split_k, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=BLOCK_K, SWAP_AB=swap_ab, TMA=tma, num_warps=num_warps, num_stages=num_stages,
         USE_PDL=(pdl := pdl_enabled(xq.device) and m <= SMALL_ROWS), launch_pdl=pdl,
     )  # fmt: skip
+    if split_k > 1:
+        _sum_planes[(n_programs, m_tiles, block_m // SUM_ROWS)](
+            part, out, m, out.stride(0), SPLITS=split_k, BLOCK_M=block_m, BLOCK_N=block_n, ROWS=SUM_ROWS, USE_PDL=pdl,
+            num_warps=4, launch_pdl=pdl,
+        )  # fmt: skip
     return out
 
 
@@ -135,23 +157,6 @@ def _tensor_descriptor() -> Any:  # triton.tools.tensor_descriptor.TensorDescrip
     except ImportError:
         return None
     return TensorDescriptor
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def tile_counters(device: torch.device, tiles: int = 1) -> torch.Tensor:
-    """Per-tile arrival counters for split-K, zero between calls (the last program re-arms them).
-
-    One buffer per device serves every GEMM: calls on one stream never overlap. Made before any CUDA graph is
-    captured (engine/native/model_runner.py): made inside a capture, its zeroing would be a node of that graph
-    only, done the first time that graph runs.
-    """
-    counters = _COUNTERS.get(device)
-    if counters is None or counters.numel() < tiles:
-        counters = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=device)
-        _COUNTERS[device] = counters
-    return counters
 
 
 @triton.jit
