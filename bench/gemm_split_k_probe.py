@@ -2,15 +2,19 @@
 
 A copy of engine/native/triton_fp8.py's kernel as it was before 2026-12-03 (split-K summed inside the GEMM by the
 last of a tile's programs to arrive, through a per-tile counter), with knobs that each remove or replace one part:
-the per-block scaling (``scale``: one plain wgmma chain), the split-K sum (``reduce``: 0 none, 1 in the GEMM, 2 the
-counter only, 3 without the barrier before it, 4 a second kernel of ``rows``-row programs: what the engine does
-now), the activations (``xfixed``: every program reads one L2-hot tile), the dot (``dot``: weights streamed and
-summed without one), the operand order (``swap``), and the counters' spacing (``cstride``). Activations come
-prequantized, as in the step; each variant is timed in a CUDA graph with the weights cycled past the L2 (as
-bench/gemm_small_m.py does), its relative error against the engine's fp8_block_gemm printed beside it.
+the per-block scaling (``scale``: one plain wgmma chain); the split-K sum (``reduce``: 0 none, 1 in the GEMM, 2 the
+counter only, 3 without the barrier before it, 4 a second kernel of ``rows``-row programs with ``sum_warps`` warps,
+what the engine does now, ``live_rows`` leaving out the programs of rows past M); the activations (``xfixed``: every
+program reads one L2-hot tile); the dot (``dot``: weights streamed and summed without one); the operand order
+(``swap``); the counters' spacing (``cstride``). Activations come prequantized, as in the step; each variant is
+timed in a CUDA graph with the weights cycled past the L2 (as bench/gemm_small_m.py does), its relative error
+against the engine's fp8_block_gemm printed beside it.
 
     PYTHONPATH=/tmp/site:$PWD python3 bench/gemm_split_k_probe.py --out $OUT/probe.json --rows 1,16,64 \
         --variants rule,noreduce,atomic_only,nobarrier,spread,kernel2,kernel2_r4,kernel2_split16,split2,kernel2_w8
+    # not run yet: the second kernel's shape, and the splits with it
+    ... --variants kernel2_r4,kernel2_r2,kernel2_r4_live,kernel2_r4_sw1,kernel2_r4_sw2,kernel2_r4_split2,\
+kernel2_r4_split4
 """
 
 from __future__ import annotations
@@ -34,6 +38,11 @@ VARIANTS = {
     "nobarrier": {"reduce": 3}, "spread": {"cstride": 32}, "xfixed": {"xfixed": True}, "nodot": {"dot": False},
     "noscale_noreduce": {"scale": False, "reduce": 0}, "kernel2": {"reduce": 4}, "kernel2_r4": {"reduce": 4, "rows": 4},
     "kernel2_split16": {"reduce": 4, "split_k": 16}, "kernel2_w8": {"reduce": 4, "num_warps": 8},
+    "kernel2_r2": {"reduce": 4, "rows": 2}, "kernel2_r4_live": {"reduce": 4, "rows": 4, "live_rows": True},
+    "kernel2_r4_sw1": {"reduce": 4, "rows": 4, "sum_warps": 1},
+    "kernel2_r4_sw2": {"reduce": 4, "rows": 4, "sum_warps": 2},
+    "kernel2_r4_split2": {"reduce": 4, "rows": 4, "split_k": 2},
+    "kernel2_r4_split4": {"reduce": 4, "rows": 4, "split_k": 4},
     "split1": {"split_k": 1}, "split2": {"split_k": 2}, "split4": {"split_k": 4}, "split8": {"split_k": 8},
     "split16": {"split_k": 16}, "bn128": {"block_n": 128}, "bn128_w8": {"block_n": 128, "num_warps": 8},
     "s4": {"num_stages": 4}, "s5": {"num_stages": 5}, "tma": {"tma": True}, "w8": {"num_warps": 8},
@@ -108,7 +117,7 @@ def _probe_gemm(
 def launch(x: Quantized, w: torch.Tensor, s: torch.Tensor, block_n: int = 64, split_k: int | None = None,
            num_warps: int = 4, num_stages: int | None = None, tma: bool | None = None, swap: bool = True,
            scale: bool = True, reduce: int = 1, xfixed: bool = False, dot: bool = True, cstride: int = 1,
-           rows: int = 16) -> torch.Tensor:  # fmt: skip
+           rows: int = 16, sum_warps: int = 4, live_rows: bool = False) -> torch.Tensor:  # fmt: skip
     """One probe GEMM with the pre-2026-12-03 launch rule for whatever is left as None."""
     from engine.native.triton_fp8 import _sum_planes
 
@@ -138,8 +147,9 @@ def launch(x: Quantized, w: torch.Tensor, s: torch.Tensor, block_n: int = 64, sp
     )  # fmt: skip
     if reduce == 4 and split_k > 1:
         r = min(rows, block_m)
-        _sum_planes[(n_programs, m_tiles, block_m // r)](part, out, m, out.stride(0), SPLITS=split_k, BLOCK_M=block_m,
-                                                         BLOCK_N=block_n, ROWS=r, USE_PDL=pdl, num_warps=4,
+        row_programs = triton.cdiv(min(m, block_m), r) if live_rows else block_m // r  # live: no all-masked programs
+        _sum_planes[(n_programs, m_tiles, row_programs)](part, out, m, out.stride(0), SPLITS=split_k, BLOCK_M=block_m,
+                                                         BLOCK_N=block_n, ROWS=r, USE_PDL=pdl, num_warps=sum_warps,
                                                          launch_pdl=pdl)  # fmt: skip
     return out
 
