@@ -74,10 +74,17 @@ def _fp8_block_gemm(
     if SPLITS == 1:
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask)
     else:  # split-K: each program leaves its fp32 partial in its own plane; _sum_planes adds them up
-        tile = (pid_m * tl.num_programs(0) + pid_n) * BLOCK_M * BLOCK_N
-        local = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        plane = tl.num_programs(0) * tl.num_programs(2) * BLOCK_M * BLOCK_N
-        tl.store(part_ptr + pid_k * plane + tile + local, acc, mask=m_mask)
+        offs, plane = _plane_offsets(pid_n, pid_m, tl.arange(0, BLOCK_M), tl.num_programs(0), tl.num_programs(2),
+                                     BLOCK_M, BLOCK_N)  # fmt: skip
+        tl.store(part_ptr + pid_k * plane + offs, acc, mask=m_mask)
+
+
+@triton.jit
+def _plane_offsets(pid_n, pid_m, rows, n_tiles, m_tiles, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Where ``rows`` of output tile (pid_m, pid_n) lie in a split-K plane (tile after tile, each row-major), and
+    the plane's size: the one layout the GEMM writes and _sum_planes reads."""
+    tile = (pid_m * n_tiles + pid_n) * BLOCK_M * BLOCK_N
+    return tile + rows[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :], n_tiles * m_tiles * BLOCK_M * BLOCK_N
 
 
 @triton.jit
@@ -92,12 +99,10 @@ def _sum_planes(part_ptr, out_ptr, M, stride_om, SPLITS: tl.constexpr, BLOCK_M: 
     offs_m = pid_m * BLOCK_M + rows
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m[:, None] < M
-    tile = (pid_m * tl.num_programs(0) + pid_n) * BLOCK_M * BLOCK_N
-    local = rows[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    plane = tl.num_programs(0) * tl.num_programs(1) * BLOCK_M * BLOCK_N
+    offs, plane = _plane_offsets(pid_n, pid_m, rows, tl.num_programs(0), tl.num_programs(1), BLOCK_M, BLOCK_N)
     total = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     for i in tl.static_range(SPLITS):
-        total += tl.load(part_ptr + i * plane + tile + local, mask=m_mask, other=0.0)
+        total += tl.load(part_ptr + i * plane + offs, mask=m_mask, other=0.0)
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], total.to(out_ptr.dtype.element_ty), mask=m_mask)
 
 
