@@ -30,7 +30,7 @@ import triton.language as tl
 
 from bench.gpu_step_profile import graphed_us
 from engine.native.fused_ops import Quantized, pdl_enabled, pdl_enter, sm_count
-from engine.native.triton_fp8 import _tensor_descriptor, fp8_block_gemm, quantize_groups
+from engine.native.triton_fp8 import _plane_offsets, _sum_planes, _tensor_descriptor, fp8_block_gemm, quantize_groups
 
 GEMMS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 VARIANTS = {
@@ -96,10 +96,10 @@ def _probe_gemm(
     if SPLITS == 1:
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask)
     else:
-        tile = (pid_m * tl.num_programs(0) + pid_n) * BLOCK_M * BLOCK_N
-        local = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        plane = tl.num_programs(0) * tl.num_programs(2) * BLOCK_M * BLOCK_N
-        tl.store(part_ptr + pid_k * plane + tile + local, acc, mask=m_mask)
+        # the engine's plane layout: reduce=4 sums these planes with the engine's _sum_planes
+        offs, plane = _plane_offsets(pid_n, pid_m, tl.arange(0, BLOCK_M), tl.num_programs(0), tl.num_programs(2),
+                                     BLOCK_M, BLOCK_N)  # fmt: skip
+        tl.store(part_ptr + pid_k * plane + offs, acc, mask=m_mask)
         if REDUCE == 1 or REDUCE == 2 or REDUCE == 3:
             if REDUCE != 3:
                 tl.debug_barrier()
@@ -108,7 +108,7 @@ def _probe_gemm(
                 if REDUCE != 2:
                     total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                     for i in tl.static_range(SPLITS):
-                        total += tl.load(part_ptr + i * plane + tile + local, mask=m_mask, other=0.0,
+                        total += tl.load(part_ptr + i * plane + offs, mask=m_mask, other=0.0,
                                          cache_modifier=".cg")  # fmt: skip
                     tl.store(out, total.to(out_ptr.dtype.element_ty), mask=m_mask)
                 tl.atomic_xchg(counter, 0)
@@ -119,8 +119,6 @@ def launch(x: Quantized, w: torch.Tensor, s: torch.Tensor, block_n: int = 64, sp
            scale: bool = True, reduce: int = 1, xfixed: bool = False, dot: bool = True, cstride: int = 1,
            rows: int = 16, sum_warps: int = 4, live_rows: bool = False) -> torch.Tensor:  # fmt: skip
     """One probe GEMM with the pre-2026-12-03 launch rule for whatever is left as None."""
-    from engine.native.triton_fp8 import _sum_planes
-
     xq, xs, dtype = x
     m, kp = xq.shape
     np_ = w.shape[0]
