@@ -467,3 +467,36 @@ def test_model_variants_match_transformers(tmp_path: Path, variant: str) -> None
         step = model.logits(runner.hidden_states([Scheduled(seq, 300, 1)]))
         ref_step = reference(torch.cat([ids, ids[-1:]])[None]).logits[0, -1]
         assert float((step[0] - ref_step).abs().max()) < 1e-3 * float(ref_step.abs().max())
+
+
+def test_graphs_are_captured_with_the_garbage_collector_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """capture_all keeps Python's cyclic collector off while it captures (a collection could destroy another
+    engine's graphs mid-capture and invalidate it, as pytorch/pytorch#161037 describes), and turns it back on
+    after, a failed capture included. The captures themselves need CUDA: recorded here, not made."""
+    import gc
+
+    class Runner:  # what capture_all reads of a ModelRunner
+        mixed_sizes, decode_sizes, capture_parts = [96], [1, 8], {}
+
+        def __init__(self, fail_at: tuple[str, int] | None = None) -> None:
+            self.captured: list[tuple[tuple[str, int], bool]] = []
+            self.fail_at = fail_at
+
+        def _capture(self, key: tuple[str, int], warm_up: bool) -> None:
+            self.captured.append((key, gc.isenabled()))
+            if key == self.fail_at:
+                raise RuntimeError("capture failed")
+
+        def _upload_graph(self, key: tuple[str, int]) -> None:
+            pass
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    assert gc.isenabled()
+    runner = Runner()
+    ModelRunner.capture_all(runner)  # type: ignore[arg-type]
+    assert runner.captured == [(("mixed", 96), False), (("decode", 8), False), (("decode", 1), False)]
+    assert gc.isenabled()
+    failing = Runner(fail_at=("decode", 8))
+    with pytest.raises(RuntimeError, match="capture failed"):
+        ModelRunner.capture_all(failing)  # type: ignore[arg-type]
+    assert [enabled for _, enabled in failing.captured] == [False, False] and gc.isenabled()

@@ -15,10 +15,13 @@ step's are still being uploaded.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import itertools
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -254,9 +257,10 @@ class ModelRunner:
         keys = sorted([("mixed", t) for t in self.mixed_sizes] + [("decode", b) for b in self.decode_sizes],
                       key=lambda k: -k[1])  # fmt: skip
         seen: set[str] = set()
-        for key in keys:
-            self._capture(key, warm_up=warm_up_each or key[0] not in seen)
-            seen.add(key[0])
+        with _no_garbage_collection():
+            for key in keys:
+                self._capture(key, warm_up=warm_up_each or key[0] not in seen)
+                seen.add(key[0])
         t = time.perf_counter()
         torch.cuda.empty_cache()  # once: the warm-ups' blocks (a standby holds what its graphs need, no more)
         self.capture_parts["free"] = time.perf_counter() - t
@@ -322,6 +326,22 @@ class ModelRunner:
                 graph.capture_end()
         parts["capture"] = parts.get("capture", 0.0) + time.perf_counter() - t
         self.graphs[key] = (graph, logits, argmax)
+
+
+@contextlib.contextmanager
+def _no_garbage_collection() -> Iterator[None]:
+    """Python's cyclic collector off while graphs are captured. A collection inside a capture can free CUDA graphs
+    left unreachable in reference cycles (another engine's, in a process that built several: the GPU tests do), and
+    destroying a graph while a stream captures in global mode invalidates that capture
+    (cudaErrorStreamCaptureInvalidated; pytorch/pytorch#161037 describes it, and torch.cuda.graph's collection before
+    each capture, which these captures skip, was what kept it away)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class StepTiming:
