@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU runs for the serving engine, on the device machine (torch + Triton there; the rest travels as wheels in .whl/,
 # the demo tokenizer for the synthetic checkpoint in .gputok/: see docs/benchmarks.md).
-#   bash bench/gpu_serving.sh setup probe tests graphs profile engine structured prefix defaults speed restarts serve  # any subset
+#   bash bench/gpu_serving.sh setup probe tests graphs profile ab engine structured prefix defaults speed restarts serve  # any subset
 # The serving acceptance (setup + serve fit one 10-minute device call: ~10 s wheels, ~25 s synth, serve <= 480 s):
 #   bash bench/gpu_serving.sh setup serve        # carry .whl and .gputok; SERVE_ARGS / SERVE_TIMEOUT override
 # Results go to a folder under /tmp/gpuout, packed at the end into $OUT/results.tgz (markdown copied beside it).
@@ -57,6 +57,36 @@ demo._write_marker(t, 'fp8-block', seconds=0.0)"
             ;;
     engine) timeout ${ENGINE_TIMEOUT:-240} python3 bench/gpu_engine.py --out $RUN/engine --work /tmp/wg \
               --skip kernels synth graphs hf sweep profile variants host 2>&1 | tail -30 ;;
+    ab)     # This tree against another checkout on the same machine: between fresh machines the same code's decode step
+            # differs by up to ~2% (docs/benchmarks.md, 2026-12-04), more than most single kernel changes. AB_TREE: the
+            # other checkout, an ignored folder carried with the call (`git worktree add .ab main`, then delete its
+            # bench/results and docs to fit the carry limit). The GPU suite on each with a cold Triton cache (what a
+            # fresh machine's first start compiles inside its captures), then the step profile this, other, this.
+            for tree in . ${AB_TREE:?AB_TREE names the other checkout}; do
+              (cd $tree && TRITON_CACHE_DIR=$(mktemp -d) PYTHONPATH=/tmp/site:$PWD timeout ${AB_TESTS_TIMEOUT:-150} \
+                python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider --tb=line 2>&1 | grep -E "^(FAILED|E )|passed|failed" \
+                | head -8 | sed "s|^|$tree: |")
+            done
+            for run in a b a2; do
+              tree=.; [ $run = b ] && tree=$AB_TREE
+              (cd $tree && PYTHONPATH=/tmp/site:$PWD timeout ${PROFILE_TIMEOUT:-200} python3 bench/gpu_step_profile.py \
+                --model $MODEL --out $RUN/ab-$run --skip-gemms > $RUN/ab-$run.log 2>&1)
+            done
+            python3 - $RUN <<'PY' | tee $OUT/ab.md
+import json, sys
+from pathlib import Path
+runs = {}
+for run in ("a", "b", "a2"):
+    path = Path(sys.argv[1]) / f"ab-{run}" / "gpu_step_profile.json"
+    runs[run] = {d["batch"]: d for d in json.loads(path.read_text())["decode"]} if path.exists() else {}
+batches = sorted(set().union(*runs.values()))
+print("| decode step ms (graph) | " + " | ".join(f"batch {b}" for b in batches) + " |")
+print("|---|" + "---:|" * len(batches))
+for run, label in (("a", "this tree"), ("b", "AB_TREE"), ("a2", "this tree again")):
+    cells = [f"{runs[run][b]['step_ms']:.3f} ({runs[run][b]['graph_ms']:.3f})" if b in runs[run] else "-" for b in batches]
+    print(f"| {label} | " + " | ".join(cells) + " |")
+PY
+            ;;
     structured) # Issue 23's acceptance: 64 streams, every request plain, held to a JSON schema, or with logprobs 5
             # (plain first and last, for the run's own spread; levels of one run differ by 3-10%: STRUCTURED_VARIANTS
             # may repeat them, e.g. plain,json_schema,logprobs=5,plain,json_schema,logprobs=5,plain). ~70 s a run.
