@@ -333,8 +333,8 @@ def _no_garbage_collection() -> Iterator[None]:
     """Python's cyclic collector off while graphs are captured. A collection inside a capture can free CUDA graphs
     left unreachable in reference cycles (another engine's, in a process that built several: the GPU tests do), and
     destroying a graph while a stream captures in global mode invalidates that capture
-    (cudaErrorStreamCaptureInvalidated; pytorch/pytorch#161037 describes it, and torch.cuda.graph's collection before
-    each capture, which these captures skip, was what kept it away)."""
+    (cudaErrorStreamCaptureInvalidated; pytorch/pytorch#161037 describes it). torch.cuda.graph collected before its
+    captures; these call capture_begin themselves."""
     enabled = gc.isenabled()
     gc.disable()
     try:
