@@ -59,7 +59,7 @@ demo._write_marker(t, 'fp8-block', seconds=0.0)"
               --skip kernels synth graphs hf sweep profile variants host 2>&1 | tail -30 ;;
     ab)     # This tree against another checkout on the same machine: between fresh machines the same code's decode step
             # differs by up to ~2% (docs/benchmarks.md, 2026-12-04), more than most single kernel changes. AB_TREE: the
-            # other checkout, an ignored folder carried with the call (`git worktree add .ab main`, then delete its
+            # other checkout, an ignored folder carried with the call (`git worktree add --detach .ab main`, then delete its
             # bench/results and docs to fit the carry limit). The GPU suite on each with a cold Triton cache (what a
             # fresh machine's first start compiles inside its captures), then the step profile this, other, this.
             for tree in . ${AB_TREE:?AB_TREE names the other checkout}; do
