@@ -78,13 +78,18 @@ from pathlib import Path
 runs = {}
 for run in ("a", "b", "a2"):
     path = Path(sys.argv[1]) / f"ab-{run}" / "gpu_step_profile.json"
-    runs[run] = {d["batch"]: d for d in json.loads(path.read_text())["decode"]} if path.exists() else {}
-batches = sorted(set().union(*runs.values()))
-print("| decode step ms (graph) | " + " | ".join(f"batch {b}" for b in batches) + " |")
-print("|---|" + "---:|" * len(batches))
+    profile = json.loads(path.read_text()) if path.exists() else {"decode": [], "mixed": [], "prefill": {}}
+    cells = {f"decode {d['batch']}": (d["step_ms"], d["graph_ms"]) for d in profile["decode"]}
+    cells.update({f"mixed {d['batch']}+{d['prompt']}": (d["step_ms"], d["graph_ms"]) for d in profile["mixed"]})
+    if profile["prefill"]:
+        cells["prefill (mixed graph: the budget)"] = (profile["prefill"]["step_ms"], profile["prefill"]["graph_ms"])
+    runs[run] = cells
+columns = list(dict.fromkeys(c for cells in runs.values() for c in cells))
+print("| step ms (graph ms) | " + " | ".join(columns) + " |")
+print("|---|" + "---:|" * len(columns))
 for run, label in (("a", "this tree"), ("b", "AB_TREE"), ("a2", "this tree again")):
-    cells = [f"{runs[run][b]['step_ms']:.3f} ({runs[run][b]['graph_ms']:.3f})" if b in runs[run] else "-" for b in batches]
-    print(f"| {label} | " + " | ".join(cells) + " |")
+    row = [f"{runs[run][c][0]:.3f} ({runs[run][c][1]:.3f})" if c in runs[run] else "-" for c in columns]
+    print(f"| {label} | " + " | ".join(row) + " |")
 PY
             ;;
     structured) # Issue 23's acceptance: 64 streams, every request plain, held to a JSON schema, or with logprobs 5
