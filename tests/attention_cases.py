@@ -48,20 +48,24 @@ def check_paged_attention(device: torch.device, dtype: torch.dtype, heads: int, 
     from engine.native.triton_attention import paged_attention
 
     gen = torch.Generator().manual_seed(heads * dim)
-    blocks = 96
+    blocks = 320
     k = torch.randn(blocks * PAGE, kv_heads, dim, generator=gen).to(device, dtype)
     v = torch.randn(blocks * PAGE, kv_heads, dim, generator=gen).to(device, dtype)
+    # (context after the step, rows) per sequence, the batch's max_query_len, padding sequences, padding token rows
     cases = {
-        "decode only": ([(37, 1), (1, 1), (16, 1), (17, 1), (200, 1)], None, 0),
-        "mixed": ([(37, 1), (20, 20), (150, 70), (5, 5), (64, 1), (90, 33)], None, 0),
-        "graph-shaped (upper-bound grid, padding sequences)": ([(33, 1), (40, 17)], 128, 3),
+        "decode only": ([(37, 1), (1, 1), (16, 1), (17, 1), (200, 1)], None, 0, 0),
+        "mixed": ([(37, 1), (20, 20), (150, 70), (5, 5), (64, 1), (90, 33)], None, 0, 0),
+        "graph-shaped (upper-bound grid, padding sequences and rows)": ([(33, 1), (40, 17)], 128, 3, 110),
+        # query blocks straddling sequences at every offset: short chunks over cached contexts, as a cached prefix's
+        # questions are, beside one long prompt
+        "short chunks over cached contexts": ([(60 + 7 * i, 1 + i % 7) for i in range(24)] + [(100, 100)], None, 0, 5),
     }
-    for name, (specs, max_query_len, pad) in cases.items():
+    for name, (specs, max_query_len, pad, pad_rows) in cases.items():
         batch = make_batch(specs, blocks, device, gen, max_query_len, pad)
         rows = sum(n for _, n in specs)
-        q = torch.randn(rows, heads, dim, generator=gen).to(device, dtype)
+        q = torch.randn(rows + pad_rows, heads, dim, generator=gen).to(device, dtype)
         scale = dim**-0.5
-        expected = attention_reference(q.float(), k.float(), v.float(), batch, scale)
-        got = paged_attention(q, k, v, batch, scale).float()
+        expected = attention_reference(q[:rows].float(), k.float(), v.float(), batch, scale)
+        got = paged_attention(q, k, v, batch, scale)[:rows].float()
         error = float((got - expected).abs().max() / expected.abs().max())
         assert error < tolerance, (name, error)

@@ -3,9 +3,16 @@
 A program takes BLOCK_Q query rows of one sequence and one KV head, with the GROUP query heads
 that share that head stacked as rows (grouped-query attention reads each key tile once for all
 of them), and walks the sequence's keys up to its last row's position through the block table,
-in tiles of BLOCK_N positions, with an online softmax in fp32. Programs past a sequence's rows
-return at once, so the grid may be an upper bound: a CUDA graph captures it for the largest
-step of its size and replays it for any mix of sequences.
+in tiles of BLOCK_N positions, with an online softmax in fp32.
+
+Decode runs a program per sequence. A step with prompt rows runs T // BLOCK_Q + S programs per KV
+head for T rows of S sequences: sequence s owns the programs from query_start[s] // BLOCK_Q + s on
+(at least the ceil(rows / BLOCK_Q) it needs), and each program finds its sequence by comparing its
+index with those starts. Programs past a sequence's rows return at once, so the grid may be an upper
+bound: a CUDA graph captures it for the largest step of its size and replays it for any mix of
+sequences. (A grid of S x ceil(T / BLOCK_Q) programs, one row of query blocks per sequence, is
+S times larger: 131,072 programs a layer for a 2,048-token graph of 128 sequences, nearly all of
+them returning at once.)
 
 Metadata as engine/native/attention.py's StepBatch describes it; the torch version there is the reference.
 """
@@ -24,17 +31,20 @@ from engine.native.fused_ops import SMALL_ROWS, pdl_enabled, pdl_enter, sm_count
 MIN_ROWS = 16  # tl.dot needs at least 16 rows
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seqs"])
 def _paged_attention(
-    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr, query_start_ptr, scale,
+    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr, query_start_ptr, scale, seqs,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_table,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, USE_PDL: tl.constexpr,
+    PAGE: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, SEQS_P2: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(USE_PDL)
-    seq = tl.program_id(0)
-    q_block = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    kv_head = tl.program_id(1)
+    if SEQS_P2 == 0:  # decode: program i is sequence i's one row
+        seq = tl.program_id(0)
+        q_block = 0
+    else:
+        seq, q_block = _find_query_block(query_start_ptr, seqs, tl.program_id(0), BLOCK_Q, SEQS_P2)
     q_begin = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - q_begin
     if q_block * BLOCK_Q >= q_len:
@@ -80,6 +90,18 @@ def _paged_attention(
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])  # fmt: skip
 
 
+@triton.jit
+def _find_query_block(query_start_ptr, seqs, program, BLOCK_Q: tl.constexpr, SEQS_P2: tl.constexpr):
+    """The sequence whose programs include ``program``, and which of its query blocks that program takes: sequence s's
+    first program is query_start[s] // BLOCK_Q + s (increasing in s), read for every sequence in one load."""
+    index = tl.arange(0, SEQS_P2)
+    live = index < seqs
+    first = tl.load(query_start_ptr + index, mask=live, other=0) // BLOCK_Q + index
+    owned = live & (first <= program)  # sequences 0..seq
+    seq = tl.sum(owned.to(tl.int32), 0) - 1
+    return seq, program - tl.max(tl.where(owned, first, 0), 0)
+
+
 class Launch(NamedTuple):
     block_q: int  # query rows per program
     block_n: int  # key positions per tile
@@ -114,12 +136,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     launch = launch_shape(group, batch.max_query_len, seqs * kv_heads, sm_count(q.device), d)
     block_q, block_n = block_q or launch.block_q, block_n or launch.block_n
     out = torch.empty(t, heads, d, dtype=q.dtype, device=q.device)
-    grid = (seqs, triton.cdiv(batch.max_query_len, block_q), kv_heads)
+    if batch.max_query_len == 1:
+        grid, seqs_p2 = (seqs, kv_heads), 0
+    else:
+        grid, seqs_p2 = (t // block_q + seqs, kv_heads), triton.next_power_of_2(seqs)
     _paged_attention[grid](
-        q, k_cache, v_cache, out, batch.block_tables, batch.seq_lens, batch.query_start, scale,
+        q, k_cache, v_cache, out, batch.block_tables, batch.seq_lens, batch.query_start, scale, seqs,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
         batch.block_tables.stride(0), GROUP=group, GROUP_P2=triton.next_power_of_2(group), BLOCK_Q=block_q,
-        BLOCK_N=block_n, PAGE=batch.block_size, D=d, D_P2=triton.next_power_of_2(d),
+        BLOCK_N=block_n, PAGE=batch.block_size, D=d, D_P2=triton.next_power_of_2(d), SEQS_P2=seqs_p2,
         num_warps=num_warps or launch.num_warps, num_stages=num_stages or launch.num_stages,
         USE_PDL=(pdl := pdl_enabled(q.device) and t <= SMALL_ROWS), launch_pdl=pdl,
     )  # fmt: skip
