@@ -132,8 +132,9 @@ PY
     speed)  # Issue 25's serving points with its settings (max_num_seqs 128, 20 GB KV): 1 stream (TPOT p50), 64 and 128
             # streams (tok/s, TTFT, the engine's CPU per token by thread, device idle), then 32 streams of 1,150-token
             # prompts and 256 tokens (TTFT p99, TPOT p99), as a wave after the warm-up and with the 32 streams' starts
-            # spread over 2 s. ~5 min with the three starts; `profile` and `prefix` are the rest.
-            for load in table long long-ramp; do
+            # spread over 2 s (SPEED_LOADS picks some of "table long long-ramp"). ~5 min with the three starts; `profile`
+            # and `prefix` are the rest.
+            for load in ${SPEED_LOADS:-table long long-ramp}; do
               LONG="--concurrency 32 --requests-per-client 4 --prompt-len 1150 --output-len 256"
               case $load in
                 table) LEVELS="--concurrency 1,64,128 --requests-per-client 16,8,8" ;;

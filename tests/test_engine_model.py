@@ -500,3 +500,18 @@ def test_graphs_are_captured_with_the_garbage_collector_off(monkeypatch: pytest.
     with pytest.raises(RuntimeError, match="capture failed"):
         ModelRunner.capture_all(failing)  # type: ignore[arg-type]
     assert [enabled for _, enabled in failing.captured] == [False, False] and gc.isenabled()
+
+
+@pytest.mark.parametrize("budget", [100, 512, 1000, 2048, 8192])
+def test_every_mixed_step_replays_a_graph_it_fills_by_two_thirds_above_512_tokens(budget: int) -> None:
+    """A mixed step replays the smallest graph that holds it and computes its padding rows in full: above 512 tokens,
+    where a step's time grows with its rows, no step leaves more than a third of its graph's rows empty; the largest
+    graph is the budget, capped at MAX_MIXED_GRAPH_TOKENS (larger steps run eagerly)."""
+    from engine.native.model_runner import MAX_MIXED_GRAPH_TOKENS, mixed_buckets
+
+    sizes = mixed_buckets(budget)
+    assert sizes == sorted(set(sizes)) and sizes[-1] == min(budget, MAX_MIXED_GRAPH_TOKENS)
+    for tokens in range(1, sizes[-1] + 1):
+        graph = next(s for s in sizes if s >= tokens)
+        if tokens > 512:
+            assert graph - tokens < graph / 3, (tokens, graph)
