@@ -65,9 +65,13 @@ class EngineSettings(BaseModel):
             "max_num_seqs full-length sequences on the CPU",
         ),
     ] = None
+    # 1,024: on the H200 (llama3-8b FP8) a 1,024-token step costs what two halves of a 2,048-token one do (15.8 against
+    # 33.3 ms a graph), so prefill throughput holds while waiting prompts and decodes go every ~16 ms instead of ~33:
+    # against 2,048, 64 streams' TTFT p50 121 -> 82 ms, 128 streams' 150 -> 93, the cached prefix wave's 119 -> 85
+    # (docs/benchmarks.md, 2026-12-04).
     max_num_batched_tokens: Annotated[
         int, Field(ge=16, description="tokens per scheduler step (prompt chunks + decode tokens)")
-    ] = 2048
+    ] = 1024
     block_size: Annotated[int, Field(ge=1, le=256, description="KV cache positions per block")] = 16
     cuda_graphs: Annotated[bool, Field(description="capture CUDA graphs at start-up (CUDA only)")] = True
     enable_prefix_caching: Annotated[

@@ -46,7 +46,7 @@ def decode_buckets(max_seqs: int) -> list[int]:
     return sorted(s for s in sizes if s <= max_seqs)
 
 
-# Mixed steps above this many tokens run eagerly. Up to the default budget (2,048) they replay a graph: an eager
+# Mixed steps above this many tokens run eagerly (the default budget is 1,024). Up to it they replay a graph: an eager
 # step of Llama-3-8B holds the GIL for its ~400 kernel launches (on the H200 at 64 streams, eager 2,048-token steps
 # were a third of the step loop's CPU: 47.5 -> 29.0 us a generated token with them graphed, docs/benchmarks.md), for
 # an activation pool ~80 MiB larger in every engine and standby and a larger eager warm-up on the fork path.
