@@ -90,6 +90,15 @@ print("|---|" + "---:|" * len(columns))
 for run, label in (("a", "this tree"), ("b", "AB_TREE"), ("a2", "this tree again")):
     row = [f"{runs[run][c][0]:.3f} ({runs[run][c][1]:.3f})" if c in runs[run] else "-" for c in columns]
     print(f"| {label} | " + " | ".join(row) + " |")
+graphs = {run: json.loads((Path(sys.argv[1]) / f"ab-{run}" / "gpu_step_profile.json").read_text()).get("mixed_graphs_ms", {})
+          for run in runs if (Path(sys.argv[1]) / f"ab-{run}" / "gpu_step_profile.json").exists()}
+sizes = list(dict.fromkeys(n for g in graphs.values() for n in g))
+if sizes:  # every mixed graph's replay on its capture's inputs (profiles from d455384 on)
+    print("\n| mixed graph replay ms | " + " | ".join(sizes) + " |")
+    print("|---|" + "---:|" * len(sizes))
+    for run, label in (("a", "this tree"), ("b", "AB_TREE"), ("a2", "this tree again")):
+        g = graphs.get(run, {})
+        print(f"| {label} | " + " | ".join(f"{g[n]:.3f}" if n in g else "-" for n in sizes) + " |")
 PY
             ;;
     structured) # Issue 23's acceptance: 64 streams, every request plain, held to a JSON schema, or with logprobs 5
