@@ -65,7 +65,7 @@ class EngineSettings(BaseModel):
             "max_num_seqs full-length sequences on the CPU",
         ),
     ] = None
-    # 1,024: on the H200 (llama3-8b FP8) a 1,024-token step costs what two halves of a 2,048-token one do (15.8 against
+    # 1,024: on the H200 (llama3-8b FP8) a 1,024-token step costs a little under half a 2,048-token one (15.8 against
     # 33.3 ms a graph), so prefill throughput holds while waiting prompts and decodes go every ~16 ms instead of ~33:
     # against 2,048, 64 streams' TTFT p50 121 -> 82 ms, 128 streams' 150 -> 93, the cached prefix wave's 118-119 -> 85
     # and 109 (docs/benchmarks.md, 2026-12-04).
