@@ -75,7 +75,7 @@ demo._write_marker(t, 'fp8-block', seconds=0.0)"
             python3 - $RUN <<'PY' | tee $OUT/ab.md
 import json, sys
 from pathlib import Path
-runs = {}
+runs, graphs = {}, {}
 for run in ("a", "b", "a2"):
     path = Path(sys.argv[1]) / f"ab-{run}" / "gpu_step_profile.json"
     profile = json.loads(path.read_text()) if path.exists() else {"decode": [], "mixed": [], "prefill": {}}
@@ -84,21 +84,19 @@ for run in ("a", "b", "a2"):
     if profile["prefill"]:
         cells["prefill (mixed graph: the budget)"] = (profile["prefill"]["step_ms"], profile["prefill"]["graph_ms"])
     runs[run] = cells
+    graphs[run] = profile.get("mixed_graphs_ms", {})  # every mixed graph's replay (profiles from d455384 on)
 columns = list(dict.fromkeys(c for cells in runs.values() for c in cells))
 print("| step ms (graph ms) | " + " | ".join(columns) + " |")
 print("|---|" + "---:|" * len(columns))
 for run, label in (("a", "this tree"), ("b", "AB_TREE"), ("a2", "this tree again")):
     row = [f"{runs[run][c][0]:.3f} ({runs[run][c][1]:.3f})" if c in runs[run] else "-" for c in columns]
     print(f"| {label} | " + " | ".join(row) + " |")
-graphs = {run: json.loads((Path(sys.argv[1]) / f"ab-{run}" / "gpu_step_profile.json").read_text()).get("mixed_graphs_ms", {})
-          for run in runs if (Path(sys.argv[1]) / f"ab-{run}" / "gpu_step_profile.json").exists()}
 sizes = list(dict.fromkeys(n for g in graphs.values() for n in g))
-if sizes:  # every mixed graph's replay on its capture's inputs (profiles from d455384 on)
+if sizes:
     print("\n| mixed graph replay ms | " + " | ".join(sizes) + " |")
     print("|---|" + "---:|" * len(sizes))
     for run, label in (("a", "this tree"), ("b", "AB_TREE"), ("a2", "this tree again")):
-        g = graphs.get(run, {})
-        print(f"| {label} | " + " | ".join(f"{g[n]:.3f}" if n in g else "-" for n in sizes) + " |")
+        print(f"| {label} | " + " | ".join(f"{graphs[run][n]:.3f}" if n in graphs[run] else "-" for n in sizes) + " |")
 PY
             ;;
     structured) # Issue 23's acceptance: 64 streams, every request plain, held to a JSON schema, or with logprobs 5

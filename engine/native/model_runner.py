@@ -61,9 +61,11 @@ def mixed_buckets(max_tokens: int) -> list[int]:
     rows on padding (28% with them; a third at most above 512)."""
     top = min(max_tokens, MAX_MIXED_GRAPH_TOKENS)
     sizes = {top}
-    for i in range(6, top.bit_length()):
-        sizes.update(s for s in (1 << i, 3 << (i - 1)) if s < top and (s >= 512 or s == 1 << i))
-    return sorted(sizes)
+    size = 64
+    while size < top:
+        sizes.update((size, size * 3 // 2) if size >= 512 else (size,))
+        size *= 2
+    return sorted(s for s in sizes if s <= top)
 
 
 @dataclass(frozen=True)
