@@ -22,8 +22,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.gpu_step_profile import graphed_us
-from engine.native.fused_ops import Quantized
-from engine.native.triton_fp8 import fp8_block_gemm, fp8_block_gemv, quantize_groups
+from engine.native.triton_fp8 import fp8_block_gemm, quantize_groups
 
 GEMMS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 L2_BYTES = 200 << 20  # weight copies cycled per timing: more than the H200's 50 MB of L2, several times over
@@ -64,34 +63,6 @@ def measure(case: tuple, label: str, fn: Callable[..., torch.Tensor]) -> float |
     return us
 
 
-_QUANTIZED: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x quantized once (outside the timed graph), as the norm or activation before a GEMM hands it over."""
-    if id(x) not in _QUANTIZED:
-        _QUANTIZED.clear()
-        _QUANTIZED[id(x)] = quantize_groups(x, x.shape[0])
-    return _QUANTIZED[id(x)]
-
-
-def gemv_variants(x: torch.Tensor) -> tuple[dict[str, Callable[..., torch.Tensor]], dict[str, dict[str, object]]]:
-    """--gemv: the MMA kernel, fp8_block_gemv's split rule at several programs per SM, and its launch choices at the
-    rule's split, all from prequantized activations."""
-    mma = lambda x, w, s: fp8_block_gemm(Quantized(*quantized(x), x.dtype), w, s, block_n=64)  # noqa: E731
-    variants: dict[str, Callable[..., torch.Tensor]] = {"triton mma prequantized": mma}
-    for per_sm in (2, 4, 6, 8, 12, 16):
-        variants[f"gemv rule per_sm{per_sm}"] = (
-            lambda x, w, s, per_sm=per_sm: fp8_block_gemv(*quantized(x), w, s, x.dtype, per_sm=per_sm))
-    launches: dict[str, dict[str, object]] = {}
-    for bn, groups, warps in itertools.product((16, 32, 64), (1, 2, 4, 8), (2, 4, 8)):
-        launch = {"block_n": bn, "groups": groups, "num_warps": warps}
-        label = f"gemv bn{bn} g{groups} w{warps}"
-        launches[label] = launch
-        variants[label] = lambda x, w, s, launch=launch: fp8_block_gemv(*quantized(x), w, s, x.dtype, **launch)
-    return variants, launches
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -102,10 +73,6 @@ def main() -> None:
                         help="sweep swap-AB (weight rows on the MMA's M side) and TMA weight loads with block_n "
                              "64/128, 4/8 warps, 3/5 stages at the launch rule's split, then splits 1-16 for each row "
                              "count's and GEMM's three best")  # fmt: skip
-    parser.add_argument("--gemv", action="store_true",
-                        help="one row only: the engine's kernel against fp8_block_gemv (no MMA) over block_n, "
-                             "blocks per iteration and warps at its split rule, then splits 1-8 for its three best; "
-                             "both from activations quantized beforehand, as the step hands them")  # fmt: skip
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
@@ -143,8 +110,6 @@ def main() -> None:
                     lambda x, w, s, bn=bn, warps=warps, stages=stages, split=split:
                     fp8_block_gemm(x, w, s, block_n=bn, num_warps=warps, num_stages=stages, split_k=split))  # fmt: skip
 
-            if args.gemv:
-                variants, launches = gemv_variants(x)
             case = (rows, name, x, ref, copies)
             measured = {label: us for label, fn in variants.items() if (us := measure(case, label, fn)) is not None}
             # --explore: the three best launch choices again, at every split of K
@@ -152,12 +117,8 @@ def main() -> None:
                 for split in (1, 2, 4, 8, 16):
                     if (k // 128) % split == 0:
                         launch = {**launches[label], "split_k": split}
-                        if args.gemv:
-                            measure(case, f"{label} k{split}", lambda x, w, s, launch=launch:
-                                    fp8_block_gemv(*quantized(x), w, s, x.dtype, **launch))  # fmt: skip
-                        else:
-                            measure(case, f"{label} k{split}",
-                                    lambda x, w, s, launch=launch: fp8_block_gemm(x, w, s, **launch))  # fmt: skip
+                        measure(case, f"{label} k{split}",
+                                lambda x, w, s, launch=launch: fp8_block_gemm(x, w, s, **launch))  # fmt: skip
         del copies
         torch.cuda.empty_cache()
     best: dict[str, dict[str, object]] = {}

@@ -24,7 +24,6 @@ bench/results/gpu_gemm_small_m.json: its "prequantized" rows are this kernel).
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
@@ -36,11 +35,6 @@ from engine.native.fused_ops import FP8_MAX, GROUP, SMALL_ROWS, Quantized, pdl_e
 BLOCK_K = 128
 MAX_SPLIT = 16  # the most K splits a launch picks: the partial sums' traffic grows with them
 SUM_ROWS = 4  # rows of a tile per program of split-K's _sum_planes
-# One row goes to fp8_block_gemv with these launch choices (None: to the GEMM). WARMGATE_FP8_GEMV: "off", or
-# block_n,groups,num_warps,per_sm, for benchmarks.
-_GEMV_ENV = os.environ.get("WARMGATE_FP8_GEMV", "32,2,8,8")
-GEMV = None if _GEMV_ENV == "off" else dict(zip(("block_n", "groups", "num_warps", "per_sm"),
-                                                map(int, _GEMV_ENV.split(",")), strict=True))  # fmt: skip
 
 
 @triton.jit
@@ -112,67 +106,6 @@ def _sum_planes(part_ptr, out_ptr, M, stride_om, SPLITS: tl.constexpr, BLOCK_M: 
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], total.to(out_ptr.dtype.element_ty), mask=m_mask)
 
 
-@triton.jit
-def _fp8_block_gemv(xq_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, N, stride_xs, stride_wn, stride_sn,
-                    SPLITS: tl.constexpr, K_PER_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-                    SUM_ROWS: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
-    """One row: BLOCK_N weight rows a program, GROUPS blocks of 128 columns per iteration, each loaded as it is
-    (no shared memory, no MMA), products of the fp8 codes summed in fp32 per block and scaled as the GEMM scales
-    its dot."""
-    pdl_enter(USE_PDL)
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, 128)
-    k_begin = pid_k * K_PER_SPLIT
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(k_begin, k_begin + K_PER_SPLIT, 128 * GROUPS):
-        for g in tl.static_range(GROUPS):
-            k = k0 + g * 128
-            w = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k + offs_k)[None, :]).to(tl.float32)
-            x = tl.load(xq_ptr + k + offs_k).to(tl.float32)
-            w_scale = tl.load(s_ptr + (offs_n // 128) * stride_sn + k // 128)
-            x_scale = tl.load(xs_ptr + (k // 128) * stride_xs)
-            acc += tl.sum(w * x[None, :], axis=1) * w_scale * x_scale
-    if SPLITS == 1:
-        tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty))
-    else:  # the planes of a one-row tile, as _sum_planes reads them with its fewest rows
-        offs, plane = _plane_offsets(pid_n, 0, tl.arange(0, 1), tl.num_programs(0), 1, SUM_ROWS, BLOCK_N)
-        tl.store(part_ptr + pid_k * plane + tl.reshape(offs, (BLOCK_N,)), acc)
-
-
-def fp8_block_gemv(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, s: torch.Tensor, dtype: torch.dtype,
-                   block_n: int = 32, groups: int = 2, num_warps: int = 8, per_sm: int = 8,
-                   split_k: int | None = None) -> torch.Tensor:  # fmt: skip
-    """fp8_block_gemm for one quantized row (xq [1, Kp], xs [1, Kp/128]) -> [1, Np] in ``dtype``. K is split so
-    that there are at least ``per_sm`` programs per SM (``split_k`` overrides it); ``groups`` shrinks to divide K."""
-    kp = xq.shape[1]
-    np_ = w.shape[0]
-    k_blocks = kp // BLOCK_K
-    groups = max(g for g in range(1, groups + 1) if k_blocks % g == 0)
-    if split_k is None:
-        splits = [k for k in range(1, MAX_SPLIT + 1) if (k_blocks // groups) % k == 0]
-        split_k = next((k for k in splits if np_ // block_n * k >= per_sm * sm_count(xq.device)), splits[-1])
-    if k_blocks % (split_k * groups):
-        raise ValueError(f"{split_k} splits of {groups} blocks do not divide the {k_blocks} K blocks")
-    n_programs = np_ // block_n
-    out = torch.empty(1, np_, dtype=dtype, device=xq.device)
-    part = torch.empty(split_k * n_programs * SUM_ROWS * block_n if split_k > 1 else 1, dtype=torch.float32,
-                       device=xq.device)  # fmt: skip
-    pdl = pdl_enabled(xq.device)
-    _fp8_block_gemv[(n_programs, split_k)](
-        xq, xs, w, s, out, part, np_, xs.stride(1), w.stride(0), s.stride(0), SPLITS=split_k,
-        K_PER_SPLIT=kp // split_k, BLOCK_N=block_n, GROUPS=groups, SUM_ROWS=SUM_ROWS, USE_PDL=pdl, num_warps=num_warps,
-        launch_pdl=pdl,
-    )  # fmt: skip
-    if split_k > 1:
-        _sum_planes[(n_programs, 1, 1)](
-            part, out, 1, out.stride(0), SPLITS=split_k, BLOCK_M=SUM_ROWS, BLOCK_N=block_n, ROWS=SUM_ROWS,
-            USE_PDL=pdl, num_warps=4, launch_pdl=pdl,
-        )  # fmt: skip
-    return out
-
-
 def fp8_block_gemm(x: torch.Tensor | Quantized, w: torch.Tensor, s: torch.Tensor, block_n: int | None = None,
                    split_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                    swap_ab: bool = True, tma: bool | None = None) -> torch.Tensor:  # fmt: skip
@@ -181,8 +114,6 @@ def fp8_block_gemm(x: torch.Tensor | Quantized, w: torch.Tensor, s: torch.Tensor
     xq, xs, dtype = x if isinstance(x, Quantized) else (*quantize_groups(x, x.shape[0]), x.dtype)
     m, kp = xq.shape
     np_ = w.shape[0]
-    if m == 1 and GEMV is not None and block_n is None:
-        return fp8_block_gemv(xq, xs, w, s, dtype, **GEMV)
     block_m = min(64, max(16, triton.next_power_of_2(m)))
     # Launch choices from H200 sweeps (bench/gemm_small_m.py --splits, then --explore:
     # bench/results/gpu_gemm_small_m_{splits,explore}.json): 64 columns and 4 warps a program, K split so that there
