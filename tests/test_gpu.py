@@ -550,3 +550,21 @@ def test_fused_top_logprobs_match_torch() -> None:
         assert got is not None and want is not None
         assert abs(got.logprob - want.logprob) < 1e-4
         assert [t for t, v in got.top if v > LOGPROB_FLOOR] == [t for t, v in want.top if v > LOGPROB_FLOOR]
+
+
+def test_split_argmax_is_torchs() -> None:
+    """engine/native/triton_logprobs.py's argmax (the CUDA graphs' and the sampler's) compiled for the device: torch's
+    first index of each row's max, at 1 and 64 rows of llama3's vocabulary, with ties inside a part and across
+    parts, a row all -inf, and the max in the short last part."""
+    from engine.native.triton_logprobs import argmax
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for rows in (1, 64):
+        x = torch.randn(rows, 128256, device="cuda", generator=gen) * 4
+        x[0, 100000] = 99.0
+        if rows > 1:
+            x[1, :] = -float("inf")
+            x[2, [7, 9000, 128255]] = 50.0
+            x[3, [8200, 8201]] = 60.0
+            x[4, 128255] = 70.0
+        assert torch.equal(argmax(x), x.argmax(dim=-1))

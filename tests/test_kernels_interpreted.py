@@ -130,3 +130,19 @@ def test_fused_top_logprobs_match_log_softmax_and_topk() -> None:
             assert out[1, k:].long().tolist()[:3] == [17000, 9000, 5][:k]
             assert out[1, :k].tolist()[3:] == [-9999.0] * (k - 3)  # fewer allowed tokens than asked: floored
     """)
+
+
+def test_split_argmax_is_the_first_index_of_each_rows_max() -> None:
+    """engine/native/triton_logprobs.py's argmax: parts of a row side by side, then merged; ties inside a part and
+    across parts (the first wins, as in torch), a row all -inf, the max in the short last part."""
+    _interpreted("""
+        import torch
+        from engine.native.triton_logprobs import argmax
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(5, 20000, generator=gen)
+        x[1] = -float("inf")
+        x[2, [3, 17000]] = 50.0
+        x[3, [9000, 9001]] = 60.0
+        x[4, 19999] = 70.0
+        assert argmax(x).tolist() == x.argmax(-1).tolist() == [x[0].argmax().item(), 0, 3, 9000, 19999]
+    """)

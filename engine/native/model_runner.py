@@ -30,6 +30,7 @@ import torch
 from engine.native.attention import StepBatch
 from engine.native.kv_cache import KVCache, slots_of
 from engine.native.model import Transformer
+from engine.native.sampler import argmax_rows
 from engine.native.scheduler import Scheduled
 
 
@@ -221,7 +222,7 @@ class ModelRunner:
             for i, (w, begin) in enumerate(zip(step, starts, strict=False)):
                 if i in every_token:
                     every[i] = self.model.logits(hidden[begin : begin + w.count]).float()
-        argmax = logits.argmax(dim=-1)
+        argmax = argmax_rows(logits)
         timing.stop()
         return StepOutput(logits, argmax, timing, every)
 
@@ -312,7 +313,7 @@ class ModelRunner:
 
         def run() -> tuple[torch.Tensor, torch.Tensor]:
             logits = self._forward(batch)
-            return logits, logits.argmax(dim=-1)
+            return logits, argmax_rows(logits)
 
         parts["inputs"] = parts.get("inputs", 0.0) + time.perf_counter() - t
         t = time.perf_counter()

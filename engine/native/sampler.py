@@ -57,6 +57,16 @@ def apply_penalties(logits: torch.Tensor, outputs: list[list[int]], params: list
     return logits
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (the first index of its max), int64 on x's device: split across many programs on CUDA
+    (engine/native/triton_logprobs.py), torch's elsewhere."""
+    if x.is_cuda and x.dtype == torch.float32 and x.stride(1) == 1:
+        from engine.native.triton_logprobs import argmax
+
+        return argmax(x)
+    return x.argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]],
            generators: list[torch.Generator | None], argmax: torch.Tensor | None = None) -> Sampled:  # fmt: skip
     """``draw``, read at once."""
@@ -79,7 +89,7 @@ def draw(
     """
     if any(p.presence_penalty or p.frequency_penalty for p in params):
         logits, argmax = apply_penalties(logits, outputs, params), None
-    chosen = argmax if argmax is not None else logits.argmax(dim=-1)
+    chosen = argmax if argmax is not None else argmax_rows(logits)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     drawn: dict[int, torch.Tensor] = {}
     if rows:
@@ -107,7 +117,7 @@ def draw(
         for j in seeded:
             noise[j].exponential_(generator=generators[rows[j]])
         chosen = chosen.clone()  # argmax may be the graph's own output
-        chosen[index] = (probs / noise).argmax(dim=-1)
+        chosen[index] = argmax_rows(probs / noise)
         drawn = dict(zip(rows, probs, strict=True))
     wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
     tops = [params[i].logprobs or 0 for i in wanted]

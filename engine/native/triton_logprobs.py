@@ -1,4 +1,5 @@
-"""A greedy batch's logprobs in one read of its logits: each row's log-sum-exp and its top k, in Triton.
+"""A greedy batch's logprobs in one read of its logits: each row's log-sum-exp and its top k, in Triton; and each
+row's argmax, split the same way.
 
 ``torch.topk`` and ``torch.logsumexp`` over [64, 128,256] float32 logits took 153 and 107 µs on the H200
 (bench/topk_check.py), where reading the 33 MB once takes about 10. Here the first kernel splits each row into
@@ -78,4 +79,42 @@ def top_logprobs(scores: torch.Tensor, k: int, floor: float) -> torch.Tensor:
     _parts[(rows, parts)](scores, scores.stride(0), width, vals, ids, maxes, sums, K=k, CHUNK=CHUNK, num_warps=8)
     _merge[(rows,)](vals, ids, maxes, sums, out, parts, floor, K=k, PARTS=triton.next_power_of_2(parts),
                     CANDIDATES=triton.next_power_of_2(parts * k))
+    return out
+
+
+@triton.jit
+def _argmax_parts(x_ptr, stride, width, max_ptr, ids_ptr, CHUNK: tl.constexpr):
+    row = tl.program_id(0)
+    part = tl.program_id(1)
+    parts = tl.num_programs(1)
+    offs = part * CHUNK + tl.arange(0, CHUNK)
+    x = tl.load(x_ptr + row * stride + offs, mask=offs < width, other=-float("inf"))
+    top, at = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    tl.store(max_ptr + row * parts + part, top)
+    tl.store(ids_ptr + row * parts + part, part * CHUNK + at)
+
+
+@triton.jit
+def _argmax_merge(max_ptr, ids_ptr, out_ptr, parts, PARTS: tl.constexpr):
+    row = tl.program_id(0)
+    p = tl.arange(0, PARTS)
+    maxes = tl.load(max_ptr + row * parts + p, mask=p < parts, other=-float("inf"))
+    ids = tl.load(ids_ptr + row * parts + p, mask=p < parts, other=0)
+    best = tl.argmax(maxes, axis=0, tie_break_left=True)  # the first part holding the row's max: its first index
+    tl.store(out_ptr + row, tl.sum(tl.where(p == best, ids, 0), axis=0).to(tl.int64))
+
+
+def argmax(scores: torch.Tensor) -> torch.Tensor:
+    """[rows] int64: each row's argmax of float32 ``scores`` [rows, width] (contiguous rows), the first index of the
+    max as torch.argmax gives it. torch's kernel reduces a row in one block of threads: 27.7 µs for one row of
+    128,256 on the H200 (bench/results/gpu_step_profile_q_blocks_buckets.json), a sixth of a decode step's non-GEMM
+    time; here CHUNK-wide parts of the row run side by side, then one small program per row merges them."""
+    assert scores.dtype == torch.float32 and scores.stride(1) == 1
+    rows, width = scores.shape
+    parts = triton.cdiv(width, CHUNK)
+    maxes = torch.empty(rows, parts, dtype=torch.float32, device=scores.device)
+    ids = torch.empty(rows, parts, dtype=torch.int32, device=scores.device)
+    out = torch.empty(rows, dtype=torch.int64, device=scores.device)
+    _argmax_parts[(rows, parts)](scores, scores.stride(0), width, maxes, ids, CHUNK=CHUNK, num_warps=8)
+    _argmax_merge[(rows,)](maxes, ids, out, parts, PARTS=triton.next_power_of_2(parts))
     return out
