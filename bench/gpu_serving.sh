@@ -11,8 +11,8 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
-# .whl/opt: what xgrammar needs (transformers and its dependencies), installed only where the image lacks them, or
-# has them older than the engine needs (tokenizers: DecodeStream came in 0.21).
+# .whl/opt: xgrammar and what it needs (apache-tvm-ffi, transformers and its dependencies), installed only where the
+# image lacks them, or has them older than the engine needs (tokenizers: DecodeStream came in 0.21).
 OPT=$(python3 - <<'PY'
 import importlib.metadata as md, pathlib
 NEEDS = {"tokenizers": (0, 21)}
@@ -37,7 +37,11 @@ for step in "$@"; do
   case $step in
     setup)  [ -d $MODEL ] || python3 -m app.cli model synth $MODEL --shape llama3-8b --scheme fp8-block --device cuda \
               --tokenizer .gputok
-            nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv ;;
+            nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+            # Without a working xgrammar the fork server serves but its engines have no structured outputs; until
+            # 2026-12-04 it died at its preload, and every engine start in these runs fell back to spawning.
+            python3 -c "import engine.grammar; engine.grammar.load_xgrammar()" \
+              || echo "WARNING: xgrammar does not import: carry what it needs in .whl/opt" ;;
     probe)  timeout ${PROBE_TIMEOUT:-150} python3 bench/cublas_blockwise_rule.py --out $RUN | tail -30 ;;
     tests)  timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu ${TESTS_ARGS:-tests/test_gpu.py} -p no:cacheprovider 2>&1 \
               | tee $RUN/pytest_gpu.txt | tail -40 ;;

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from cache.protocol import error_reply
-from common.events import configure_logging, log_event
+from common.events import configure_logging, log_event, log_warning
 from common.framing import ProtocolError, recv_message, send_message
 from common.proctitle import set_title
 from common.uds import bind_unix_socket
@@ -63,7 +63,10 @@ def preload(backend: str = "native") -> float:
         import engine.vllm.loader
 
         engine.vllm.engine.import_vllm()
-    engine.grammar.load_xgrammar()  # structured outputs; it imports transformers: ~4 s on two cores
+    try:
+        engine.grammar.load_xgrammar()  # structured outputs; it imports transformers: ~4 s on two cores
+    except ImportError as exc:  # a broken install: its engines lose structured outputs, not every start to spawn
+        log_warning(log, "preload_failed", module="xgrammar", error=exc)
     if backend == "native":
         from engine.native.kernels import preload_triton
 
