@@ -106,9 +106,9 @@ def _argmax_merge(max_ptr, ids_ptr, out_ptr, parts, PARTS: tl.constexpr):
 
 def argmax(scores: torch.Tensor) -> torch.Tensor:
     """[rows] int64: each row's argmax of float32 ``scores`` [rows, width] (contiguous rows), the first index of the
-    max as torch.argmax gives it. torch's kernel reduces a row in one block of threads: 27.7 µs for one row of
-    128,256 on the H200 (bench/results/gpu_step_profile_q_blocks_buckets.json), a sixth of a decode step's non-GEMM
-    time; here CHUNK-wide parts of the row run side by side, then one small program per row merges them."""
+    max as torch.argmax gives it. torch's kernel reduces a row in one block of threads: 28 µs for one row of 128,256
+    on the H200, 39 for 64; here CHUNK-wide parts of a row run side by side, then one small program per row merges
+    them: the decode graphs 21 µs shorter at batch 1, 25 at 64 (docs/benchmarks.md, twenty-fifth session)."""
     assert scores.dtype == torch.float32 and scores.stride(1) == 1
     rows, width = scores.shape
     parts = triton.cdiv(width, CHUNK)
