@@ -30,9 +30,7 @@ def test_forks_workers_reports_their_exit_and_refuses_bad_requests(run_dir: Path
         forks = ForkServer(run_dir / "fork.sock", run_dir / "fork-server.log")
         await forks.start()
         try:
-            # A command that fails at once: its exit code comes back through the fork server.
-            failing = await forks.spawn(["model", "check", str(run_dir / "missing")], run_dir / "check.log")
-            assert await asyncio.wait_for(failing.wait(), 60) == 2
+            await _exit_code_comes_back(forks, run_dir)
             assert "warmgate: error" in (run_dir / "check.log").read_text()
 
             # Something that is not a spawn request gets an error reply; the server goes on.
@@ -112,8 +110,7 @@ def test_a_grammar_library_that_fails_to_import_costs_structured_outputs_not_the
         forks = ForkServer(run_dir / "fork.sock", run_dir / "fork-server.log")
         await forks.start()
         try:
-            failing = await forks.spawn(["model", "check", str(run_dir / "missing")], run_dir / "check.log")
-            assert await asyncio.wait_for(failing.wait(), 60) == 2
+            await _exit_code_comes_back(forks, run_dir)
         finally:
             await forks.stop()
 
@@ -121,6 +118,13 @@ def test_a_grammar_library_that_fails_to_import_costs_structured_outputs_not_the
     log = (run_dir / "fork-server.log").read_text()
     assert "event=preload_failed" in log and "module=xgrammar" in log and "tvm_ffi_that_is_missing" in log
     assert "event=ready" in log
+
+
+async def _exit_code_comes_back(forks: ForkServer, run_dir: Path) -> None:
+    """A command that fails at once (checking a missing model): its exit code, 2, comes back through the fork
+    server."""
+    failing = await forks.spawn(["model", "check", str(run_dir / "missing")], run_dir / "check.log")
+    assert await asyncio.wait_for(failing.wait(), 60) == 2
 
 
 def _ppid(pid: int) -> int:
