@@ -297,7 +297,9 @@ def _engine(args: argparse.Namespace) -> None:
     from engine.worker import main as run_worker
 
     _not_the_gateways_metrics()
-    run_worker(args.socket, args.config, drain_timeout=args.drain_timeout, heartbeat_path=args.heartbeat)
+    code = run_worker(args.socket, args.config, drain_timeout=args.drain_timeout, heartbeat_path=args.heartbeat)
+    if code:  # its front process did not end cleanly: a crash, for the supervisor
+        raise SystemExit(code)
 
 
 def _relay(args: argparse.Namespace) -> None:

@@ -538,20 +538,38 @@ def _stat_cpu(stat: str) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime: fields 14 and 15
 
 
-def thread_cpu(pid: int | None) -> dict[str, float] | None:
-    """CPU seconds of a live engine process's threads: its engine thread (the step loop), its main thread (the
-    HTTP loop) and the rest (torch's, the grammar masks' pool, ...); None if it is gone."""
-    out = {"engine": 0.0, "loop": 0.0, "other": 0.0}
+def front_pid(pid: int | None) -> int | None:
+    """The engine worker's front process (engine/front.py: its HTTP API), if it has one."""
     try:
-        tasks = list(Path(f"/proc/{pid}/task").iterdir()) if pid is not None else []
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split() if pid is not None else []
     except OSError:
         return None
-    for task in tasks:
+    for child in children:
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{child}/cmdline").read_bytes().startswith(b"warmgate: engine-front "):
+                return int(child)
+    return None
+
+
+def thread_cpu(pid: int | None) -> dict[str, float] | None:
+    """CPU seconds of a live engine worker's threads: its engine thread (the step loop), the HTTP loop (its front
+    process's main thread, or its own main thread without a front), its main thread reading the front's link
+    (``link``), and the rest of both processes (torch's threads, the grammar masks' pool, ...); None if it is gone."""
+    out = {"engine": 0.0, "loop": 0.0, "link": 0.0, "other": 0.0}
+    front = front_pid(pid)
+    try:
+        tasks = [(pid, t) for t in Path(f"/proc/{pid}/task").iterdir()] if pid is not None else []
+        tasks += [(front, t) for t in Path(f"/proc/{front}/task").iterdir()] if front is not None else []
+    except OSError:
+        return None
+    for owner, task in tasks:
         try:
             name, seconds = (task / "comm").read_text().strip(), _stat_cpu((task / "stat").read_text())
         except OSError:  # the thread ended
             continue
-        key = "engine" if name == ENGINE_THREAD_NAME else "loop" if int(task.name) == pid else "other"
+        main = int(task.name) == owner
+        key = ("engine" if name == ENGINE_THREAD_NAME else "other" if not main
+               else "loop" if owner == front or front is None else "link")  # fmt: skip
         out[key] += seconds
     return out if tasks else None
 
@@ -606,6 +624,9 @@ def watched_pids(status: dict[str, Any] | None, serve_pid: int | None, gateway_p
     for engine in (status or {}).get("engines") or []:
         if engine.get("pid") and engine is not active_engine(status):
             groups["engine"][f"engine-{engine.get('id')}-{engine.get('state')}"] = int(engine["pid"])
+    for label, pid in list(groups["engine"].items()):
+        if (front := front_pid(pid)) is not None:  # its HTTP API's process counts with it
+            groups["engine"][f"{label}-front"] = front
     if (cache := (status or {}).get("cache") or {}).get("pid"):
         groups["cache"]["cache"] = int(cache["pid"])
     return {"gateway_kind": kind, "groups": groups, "active_engine": active}
@@ -1052,7 +1073,7 @@ def markdown(result: dict[str, Any]) -> str:
                else "n/a (no /admin/status)" if kinds == {None} else f"mixed: {sorted(map(str, kinds))}")  # fmt: skip
     lines += [f"CPU time (utime+stime) over the counted requests, per output token; gateway = {gateway}:", "",
               "| target | concurrency | gateway µs/tok | supervisor µs/tok | engine µs/tok (step loop / HTTP loop / "
-              "other threads) | gateway cores | engine cores | client max core |",
+              "front link / other threads) | gateway cores | engine cores | client max core |",
               "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     gone = False
     for s in result["levels"]:
@@ -1065,7 +1086,8 @@ def markdown(result: dict[str, Any]) -> str:
 
         gone = gone or any(x.get("gone") for x in (gw, sup, eng))
         threads = s["cpu"].get("engine_threads_us_per_token")
-        by_thread = f" ({' / '.join(fmt(threads[k]) for k in ('engine', 'loop', 'other'))})" if threads else ""
+        by_thread = (f" ({' / '.join(fmt(threads.get(k)) for k in ('engine', 'loop', 'link', 'other'))})"
+                     if threads else "")  # fmt: skip
         lines.append(f"| {s['target']} | {s['concurrency']} | {mark(gw, gw.get('us_per_token'))} | "
                      f"{mark(sup, sup.get('us_per_token'))} | {mark(eng, eng.get('us_per_token'))}{by_thread} | "
                      f"{mark(gw, gw.get('cores'), '.2f')} | {mark(eng, eng.get('cores'), '.2f')} | "

@@ -117,3 +117,14 @@ def gateway_processes(run_dir: Path) -> list[TitledProcess]:
         if role is not None:
             found.append(TitledProcess(int(entry.name), role, tuple(what[len(role) :].split())))
     return found
+
+
+def private_memory() -> int:
+    """RssAnon of this process, in bytes (0 where /proc does not say)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

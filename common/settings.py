@@ -77,6 +77,13 @@ class EngineSettings(BaseModel):
     enable_prefix_caching: Annotated[
         bool, Field(description="reuse the KV cache blocks of prompt prefixes already computed (vLLM's name)")
     ] = True
+    front_process: Annotated[
+        bool,
+        Field(
+            description="native: serve the engine API (parsing, text, SSE) from a process of its own, apart from the "
+            "process that steps the engine (engine/front.py); false: one process"
+        ),
+    ] = True
     default_max_tokens: Annotated[
         int, Field(ge=1, description="max_tokens of a request that sets none (less if the context is shorter)")
     ] = 256

@@ -12,11 +12,12 @@ import asyncio
 import collections
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from common.heartbeat import BEAT_INTERVAL, ENGINE_THREAD, Heartbeat
+from common.processes import private_memory
 from common.proctitle import ENGINE_THREAD_NAME, set_thread_title
 
 log = logging.getLogger("warmgate.engine")
@@ -46,13 +47,26 @@ class TokenEvent:
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
 
-class RequestStream:
-    """A submitted request; iterate it (async) to receive its TokenEvents until one has finish_reason."""
+# Where a step's events of some streams go, in one call from the engine thread: an event loop's (``Outbox.sink``),
+# or the link to the engine's front process (engine/front.py).
+Sink = Callable[[list[tuple["RequestStream", "TokenEvent"]]], None]
 
-    def __init__(self, request_id: str, prompt_tokens: int, loop: asyncio.AbstractEventLoop, outbox: Outbox) -> None:
+
+class RequestStream:
+    """A submitted request; iterate it (async) to receive its TokenEvents until one has finish_reason.
+
+    ``sink``: where the engine thread hands its events; by default ``loop``'s, the loop that iterates the stream (a
+    stream with another sink is not iterated in this process)."""
+
+    def __init__(self, request_id: str, prompt_tokens: int, loop: asyncio.AbstractEventLoop | None,
+                 outbox: Outbox | None, sink: Sink | None = None) -> None:  # fmt: skip
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens
         self.loop = loop
+        if sink is None:
+            assert outbox is not None, "a stream's events go to its outbox's sink for its loop, or to its own sink"
+            sink = outbox.sink(loop)
+        self.sink = sink
         # Delivered, not yet read; and the reader's future while it waits. Lighter than an asyncio.Queue, which
         # this was (a queue's put and get cost more than the rest of a token's way through the loop).
         self._events: collections.deque[TokenEvent] = collections.deque()
@@ -62,6 +76,7 @@ class RequestStream:
 
     def push(self, event: TokenEvent) -> None:
         """Called from the engine thread: delivered with the rest of the step's events."""
+        assert self._outbox is not None
         self._outbox.add(self, event)
 
     def cancel(self) -> None:
@@ -70,9 +85,11 @@ class RequestStream:
 
     async def __aiter__(self) -> AsyncIterator[TokenEvent]:
         events = self._events
+        loop = self.loop
+        assert loop is not None, "a stream delivered elsewhere is not iterated here"
         while True:
             while not events:
-                self._waiter = self.loop.create_future()
+                self._waiter = loop.create_future()
                 await self._waiter
             event = events.popleft()
             yield event
@@ -92,6 +109,21 @@ class Outbox:
 
     def __init__(self) -> None:
         self._events: list[tuple[RequestStream, TokenEvent]] = []
+        self._sinks: dict[asyncio.AbstractEventLoop | None, Sink] = {}
+
+    def sink(self, loop: asyncio.AbstractEventLoop | None) -> Sink:
+        """The sink of streams iterated on ``loop`` (one per loop: a step's events reach each loop in one call)."""
+        sink = self._sinks.get(loop)
+        if sink is None:
+            if loop is None:
+                raise ValueError("a stream needs the loop that iterates it, or a sink")
+            wake = loop.call_soon_threadsafe
+
+            def sink(events: list[tuple[RequestStream, TokenEvent]]) -> None:
+                wake(_deliver, events)
+
+            self._sinks[loop] = sink
+        return sink
 
     def add(self, stream: RequestStream, event: TokenEvent) -> None:
         self._events.append((stream, event))
@@ -99,12 +131,12 @@ class Outbox:
     def flush(self) -> None:
         if not self._events:
             return
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, TokenEvent]]] = {}
+        by_sink: dict[Sink, list[tuple[RequestStream, TokenEvent]]] = {}
         for stream, event in self._events:
-            by_loop.setdefault(stream.loop, []).append((stream, event))
+            by_sink.setdefault(stream.sink, []).append((stream, event))
         self._events = []
-        for loop, events in by_loop.items():
-            loop.call_soon_threadsafe(_deliver, events)
+        for sink, events in by_sink.items():
+            sink(events)
 
 
 def _deliver(events: list[tuple[RequestStream, TokenEvent]]) -> None:
@@ -182,6 +214,13 @@ class EngineThread(Generic[Item]):
             self._publish()
             if not hand_over_later:
                 self._outbox.flush()
+
+    def private_memory_bytes(self) -> int:
+        """RssAnon of this process, which serves the engine."""
+        return private_memory()
+
+    async def refresh(self) -> None:
+        """Bring the figures /health reads up to date: an engine in this process reads its own, so nothing to do."""
 
     def _publish(self) -> None:
         """Write the scheduler's figures into the heartbeat file: after every step, and where a backend can, as soon

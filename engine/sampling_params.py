@@ -46,3 +46,16 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+
+def check_request(prompt_ids: list[int], params: SamplingParams, max_model_len: int,
+                  output_ids: list[int] | None = None) -> None:  # fmt: skip
+    """ValueError unless an engine can take this request: a prompt, room for max_tokens in the context, and (for a
+    resume, ``output_ids`` already generated) tokens still to generate."""
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    if len(prompt_ids) + params.max_tokens > max_model_len:
+        raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                         f"max_model_len ({max_model_len})")  # fmt: skip
+    if output_ids and len(output_ids) >= params.max_tokens:
+        raise ValueError(f"the request already has {len(output_ids)} of its {params.max_tokens} tokens")

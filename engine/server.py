@@ -81,11 +81,15 @@ class ServingEngine(Protocol):
 
     def start(self, heartbeat: Heartbeat | None = None) -> None: ...
 
+    async def refresh(self) -> None: ...  # bring the figures below up to date (an engine in another process)
+
     def activate(self, timeout: float) -> Future[float]: ...  # commit what is only reserved; seconds it took
 
     def stop(self) -> None: ...
 
     def device_memory_bytes(self) -> int: ...
+
+    def private_memory_bytes(self) -> int: ...  # RssAnon of the processes serving it: the cache's weights are not in it
 
     @property
     def vocab_size(self) -> int: ...  # the model's (its outputs may lie beyond the tokenizer's vocabulary)
@@ -443,17 +447,6 @@ def _choice_states(resume: Resume | None) -> dict[int, ChoiceResume]:
     return {0: ChoiceResume(index=0, output_ids=resume.output_ids, chars=resume.chars)}
 
 
-def _private_memory() -> int:
-    """RssAnon of this process, in bytes (0 where /proc does not say)."""
-    try:
-        for line in open("/proc/self/status").read().splitlines():  # noqa: SIM115 (a small read)
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 GenerationRequest = CompletionRequest | ChatCompletionRequest
 # route -> its request's model, the field its prompt comes from, its answers' id prefix
@@ -574,6 +567,7 @@ def create_app(engine: ServingEngine, tokenizer: ChatTokenizer) -> EngineApp:
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        await engine.refresh()
         # A dead scheduler thread would hang every request: report it so the supervisor replaces us.
         status: Literal["ok", "draining", "dead"] = (
             "draining" if api.admission.draining else "ok" if engine.alive else "dead"
@@ -589,7 +583,7 @@ def create_app(engine: ServingEngine, tokenizer: ChatTokenizer) -> EngineApp:
             kv_blocks_free=engine.kv_blocks_free,
             kv_blocks_total=engine.kv_blocks_total,
             device_memory_bytes=engine.device_memory_bytes(),
-            private_memory_bytes=_private_memory(),
+            private_memory_bytes=engine.private_memory_bytes(),
             max_num_seqs=engine.max_num_seqs,
             max_model_len=engine.max_model_len,
             memory=engine.memory,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import os
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     import uvicorn
 
     from common.heartbeat import Heartbeat
-    from engine.server import EngineAPI, EngineApp, ServingEngine
+    from engine.server import EngineApp, ServingEngine
 
 log = logging.getLogger("warmgate.engine.worker")
 
@@ -49,10 +50,14 @@ def _server_class() -> type[uvicorn.Server]:
     return Server
 
 
-async def _serve(app: EngineApp, api: EngineAPI, engine: ServingEngine, sock: socket.socket, drain_timeout: float,
-                 stop_requested: list[str], heartbeat: Heartbeat | None, socket_path: Path) -> None:  # fmt: skip
+async def serve(app: EngineApp, engine: ServingEngine, sock: socket.socket, drain_timeout: float,
+                stop_requested: list[str], heartbeat: Heartbeat | None, socket_path: Path, role: str = "engine",
+                ended: asyncio.Event | None = None) -> None:  # fmt: skip
+    """Serve ``app`` on ``sock`` until a signal's drain ends (or ``ended`` is set: the engine is gone), then stop the
+    engine; the HTTP loop stamps ``heartbeat`` and shows the engine's state in the process title (``role`` first)."""
     import uvicorn
 
+    api = app.api
     title_name, title_dir = socket_path.stem.removeprefix("engine-"), socket_path.parent
     # The socket is bound by bind_unix_socket (uvicorn's own uds binding would chmod it 0666). Requests get
     # their grace period from the drain; whatever outlives it is cut after a second, not waited for forever.
@@ -96,15 +101,24 @@ async def _serve(app: EngineApp, api: EngineAPI, engine: ServingEngine, sock: so
             state = heartbeat.state()  # what the supervisor says this engine is: its process title says it too
             if state != shown[0]:
                 shown[0] = state
-                set_title(f"engine {title_name} {state} {title_dir}")
+                set_title(f"{role} {title_name} {state} {title_dir}")
             loop.call_later(BEAT_INTERVAL, beat)
 
         beat()
     if stop_requested:  # signalled after start-up's last check (during the warm-up): drain and exit now
         on_signal(signal.Signals[stop_requested[0]])
+    if ended is not None:
+
+        async def stop_when_ended() -> None:
+            await ended.wait()
+            server.should_exit = server.force_exit = True
+
+        watcher = loop.create_task(stop_when_ended())
     try:
         await server.serve(sockets=[sock])
     finally:
+        if ended is not None:
+            watcher.cancel()
         # Stop the engine while the loop still runs: requests it aborts are told so through this loop.
         engine.stop()
 
@@ -123,7 +137,7 @@ def _build_engine(config: Any) -> ServingEngine:
 SWITCH_INTERVAL = 0.0005  # seconds
 
 
-async def _warm_up(app: EngineApp) -> None:
+async def warm_up(app: EngineApp) -> None:
     """A streamed completion and a streamed chat through the whole app before the worker reports ready:
     first-use costs (request validation, chat template, detokenizer, SSE framing) are paid here,
     not by the first client after a start."""
@@ -189,6 +203,14 @@ def main(socket_path: str | Path, config_source: str, drain_timeout: float = DEF
     log_event("startup", phase="tokenizer", seconds=time.perf_counter() - t)
 
     tokenizer_seconds = time.perf_counter() - t
+    front: tuple[int, socket.socket] | None = None
+    if config.backend == "native" and config.front_process:  # vLLM keeps its engine core in a process of its own
+        from engine.front import run_front, start_front
+
+        front = start_front(functools.partial(run_front, socket_path=socket_path, tokenizer=tokenizer,
+                                              heartbeat_path=heartbeat_path, drain_timeout=drain_timeout,
+                                              started=started))  # fmt: skip
+        log_event("startup", phase="front", pid=front[0])
     t = time.perf_counter()
     engine = _build_engine(config)
     log_event("startup", phase="engine", seconds=time.perf_counter() - t, model=config.name, device=config.device)
@@ -205,6 +227,8 @@ def main(socket_path: str | Path, config_source: str, drain_timeout: float = DEF
 
     heartbeat = Heartbeat(heartbeat_path) if heartbeat_path is not None else None
     engine.start(heartbeat)
+    if front is not None:
+        return _serve_through_front(engine, front, tokenizer, stop_requested, heartbeat, socket_path, started)
     try:
         app = create_app(engine, tokenizer)
         sock = bind_unix_socket(socket_path)
@@ -215,7 +239,7 @@ def main(socket_path: str | Path, config_source: str, drain_timeout: float = DEF
     t = time.perf_counter()
     import uvloop  # the HTTP loop on libuv, as the relays' (bench/engine_host.py: 67 -> 62 us of CPU per token)
 
-    uvloop.run(_warm_up(app))
+    uvloop.run(warm_up(app))
     engine.startup_phases["server_warmup"] = time.perf_counter() - t
     log_event("startup", phase="server_warmup", seconds=engine.startup_phases["server_warmup"])
     # What start-up made (modules, the model's tensors and graphs) lives as long as the worker: moved out
@@ -226,9 +250,63 @@ def main(socket_path: str | Path, config_source: str, drain_timeout: float = DEF
     engine.startup_phases["gc"] = time.perf_counter() - t
     log_event("ready", socket=socket_path, seconds=time.perf_counter() - started, **engine.startup_phases)
     try:
-        uvloop.run(_serve(app, app.api, engine, sock, drain_timeout, stop_requested, heartbeat, socket_path))
+        uvloop.run(serve(app, engine, sock, drain_timeout, stop_requested, heartbeat, socket_path))
     finally:
         sock.close()
         socket_path.unlink(missing_ok=True)
     log_event("exit", seconds=time.perf_counter() - started)
     return 0
+
+
+def _serve_through_front(engine: Any, front: tuple[int, socket.socket], tokenizer: Any, stop_requested: list[str],
+                         heartbeat: Heartbeat | None, socket_path: Path, started: float) -> int:  # fmt: skip
+    """The worker's part while its front process serves (engine/front.py): the link's messages on this thread until
+    the front closes it, signals passed on to the front (which drains), then the engine stopped. Exits 1 if the front
+    did not end cleanly (a crash for the supervisor, which starts another engine)."""
+    from common.heartbeat import BEAT_INTERVAL
+    from common.proctitle import set_title
+    from engine.front import EngineLink
+
+    pid, sock = front
+
+    def forward(signum: int, _frame: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
+    if stop_requested:  # signalled after start-up's last check
+        forward(signal.Signals[stop_requested[0]], None)
+    name, run_dir, shown = socket_path.stem.removeprefix("engine-"), socket_path.parent, [""]
+
+    def show_state() -> None:
+        state = heartbeat.state() if heartbeat is not None else "ready"
+        if state != shown[0]:
+            shown[0] = state
+            set_title(f"engine {name} {state} {run_dir}")
+
+    link = EngineLink(engine, sock, tokenizer)
+    gc.collect()
+    gc.freeze()
+    link.hello()
+    try:
+        link.serve(show_state, BEAT_INTERVAL)
+    finally:
+        engine.stop()
+        sock.close()
+    status = _reap(pid, 5.0)
+    log_event("exit", seconds=time.perf_counter() - started, front_status=status)
+    return 0 if status == 0 else 1
+
+
+def _reap(pid: int, timeout: float) -> int | None:
+    """The front's exit code (negative: the signal that ended it), killing it if it outlives ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        time.sleep(0.01)

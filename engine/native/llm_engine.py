@@ -43,8 +43,8 @@ from engine.native.model import ModelArgs, Transformer
 from engine.native.model_runner import ModelRunner, StepOutput
 from engine.native.sampler import Drawn, draw, prompt_logprobs, skip_draws
 from engine.native.scheduler import Scheduled, Scheduler, Sequence
-from engine.request_stream import EngineThread, RequestStream, TokenEvent
-from engine.sampling_params import SamplingParams
+from engine.request_stream import EngineThread, RequestStream, Sink, TokenEvent
+from engine.sampling_params import SamplingParams, check_request
 from engine.tokenizer import model_eos_ids
 from engine.weights import LoadedWeights, WeightOrigin, WeightSource, weight_source
 
@@ -138,20 +138,19 @@ class LLMEngine(EngineThread[Sequence]):
         return _Timer(self.startup_phases, name)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-               output_ids: list[int] | None = None) -> RequestStream:  # fmt: skip
-        """Queue a request; must be called on the asyncio loop that will iterate the stream.
+               output_ids: list[int] | None = None, sink: Sink | None = None) -> RequestStream:  # fmt: skip
+        """Queue a request; must be called on the asyncio loop that will iterate the stream, unless ``sink`` takes its
+        events (engine/front.py's link, from its own thread).
 
         ``output_ids``: tokens another engine already generated for this request (a resume). They are
         prefilled with the prompt and count towards max_tokens; a seeded sampler skips the draws they
         took, so it continues the sequence it would have drawn. Raises ValueError when the prompt is
         empty, prompt + max_tokens exceeds max_model_len, or the output already reached max_tokens.
         """
-        self._check(prompt_ids, params)
+        check_request(prompt_ids, params, self.max_model_len, output_ids)
         output = list(output_ids or [])
-        if output and len(output) >= params.max_tokens:
-            raise ValueError(f"the request already has {len(output)} of its {params.max_tokens} tokens")
-        stream = RequestStream(request_id or uuid.uuid4().hex, len(prompt_ids), asyncio.get_running_loop(),
-                               self._outbox)  # fmt: skip
+        loop = asyncio.get_running_loop() if sink is None else None
+        stream = RequestStream(request_id or uuid.uuid4().hex, len(prompt_ids), loop, self._outbox, sink)
         seq = self._sequence(stream.request_id, prompt_ids, params, stream.push)
         if params.grammar is not None:
             seq.grammar = GrammarState(params.grammar, output)  # a resume replays what was generated
@@ -171,7 +170,7 @@ class LLMEngine(EngineThread[Sequence]):
             raise RuntimeError("generate() runs the scheduler itself; use submit() once start() was called")
         outputs: list[list[int]] = [[] for _ in prompts]
         for i, prompt in enumerate(prompts):
-            self._check(prompt, params)
+            check_request(prompt, params, self.max_model_len)
             self.scheduler.add(self._sequence(f"gen-{i}", prompt, params, lambda e, out=outputs[i]: _collect(out, e)))
         while self._stepping():
             self._step()
@@ -446,15 +445,6 @@ class LLMEngine(EngineThread[Sequence]):
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
         return Sequence(request_id, list(prompt), params, emit, generator=generator,
                         limit=min(len(prompt) + params.max_tokens, self.max_model_len))  # fmt: skip
-
-    def _check(self, prompt: list[int], params: SamplingParams) -> None:
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        if len(prompt) + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"max_model_len ({self.max_model_len})"
-            )
 
 
 class StepStats:

@@ -30,7 +30,7 @@ from common.events import log_event
 from engine.config import EngineConfig
 from engine.memory_plan import default_max_num_seqs
 from engine.request_stream import EngineThread, RequestStream, TokenEvent, TokenLogprobs
-from engine.sampling_params import LOGPROB_FLOOR, SamplingParams
+from engine.sampling_params import LOGPROB_FLOOR, SamplingParams, check_request
 from engine.tokenizer import model_eos_ids
 from engine.vllm.grammar import KEY as GRAMMAR_KEY
 from engine.vllm.grammar import REGISTRY, Registered
@@ -149,14 +149,8 @@ class VllmEngine(EngineThread[_Pending]):
         """Queue a request (on the loop that iterates the stream); ``output_ids``: a resume, see the module doc."""
         import asyncio
 
+        check_request(prompt_ids, params, self.max_model_len, output_ids)
         output = list(output_ids or [])
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        if output and len(output) >= params.max_tokens:
-            raise ValueError(f"the request already has {len(output)} of its {params.max_tokens} tokens")
-        if len(prompt_ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                             f"max_model_len ({self.max_model_len})")  # fmt: skip
         stop_ids = [*params.stop_token_ids, *([] if params.ignore_eos else self.eos_token_ids)]
         vllm_params = self._sampling(
             max_tokens=max(1, params.max_tokens - len(output)), temperature=params.temperature, top_p=params.top_p,

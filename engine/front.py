@@ -1,0 +1,557 @@
+"""An engine's front process: the engine API (engine/server.py) served apart from the process that steps the engine.
+
+A native engine worker forks, before it builds its engine, a front process that serves the engine API on the
+worker's socket: request parsing, prompts and chat templates, grammars, detokenizing and SSE framing run there, on an
+interpreter (and GIL) of their own, while the worker's engine thread feeds the GPU. DESIGN.md asks it ("the step loop
+owns its GIL"); vLLM v1 keeps the same work in a process apart from its engine core. In one process the HTTP loop
+took 0.45-0.6 ms of the GIL per admitted request (bench/engine_host.py's bursts), so a wave of 64 requests reached
+the scheduler over ~80 ms on the H200 while the step loop waited for the GIL between steps (docs/benchmarks.md).
+
+The two talk over a socketpair made before the fork. The front's ``RemoteEngine`` is the ServingEngine its routes
+use; the worker's ``EngineLink`` submits to the real engine and sends each step's events back in one message (the
+engine thread's Outbox flush, as it woke a loop once per step). The messages are the dataclasses below, pickled:
+both ends are one program forked from one process, and the socketpair is reachable by no other process (the sockets
+that others reach speak common/framing.py's JSON).
+
+Lifetimes: the front dies with its worker (PR_SET_PDEATHSIG: a kill -9 of the worker ends the front's connections at
+once, so the relays resume its requests elsewhere), and the worker stops when its front's link closes. A SIGTERM to
+the worker is passed on to the front, which drains as the worker did and exits; the worker then stops its engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import gc
+import itertools
+import logging
+import os
+import pickle
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from common import events
+from common.processes import private_memory
+from engine.request_stream import RequestStream, TokenEvent
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.grammar import Grammars, GrammarSpec
+    from engine.native.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+    from engine.tokenizer import ChatTokenizer
+    from engine.weights import WeightOrigin
+
+log = logging.getLogger("warmgate.engine.front")
+
+PR_SET_PDEATHSIG = 1
+BUFFER_BYTES = 4 * 1024 * 1024  # each way: a burst of prompts, or a step's events, never waits for the reader
+_LENGTH = struct.Struct("!I")
+
+
+# -- the messages (front -> worker: Submit, Cancel, Activate, AskFigures; worker -> front: Hello, Events, Reply) --
+
+
+@dataclass(slots=True)
+class Figures:
+    """What /health reports that changes while the engine serves."""
+
+    alive: bool
+    running: int
+    waiting: int
+    preemptions: int
+    prefix_cache: tuple[int, int]
+    kv_blocks_free: int
+    kv_blocks_total: int
+    device_memory_bytes: int
+    private_memory_bytes: int  # the worker's (the front adds its own)
+
+
+@dataclass(slots=True)
+class Hello:
+    """The worker's engine is ready: what never changes about it, and its figures now."""
+
+    config: EngineConfig
+    max_num_seqs: int
+    max_model_len: int
+    memory: dict[str, Any]
+    eos_token_ids: list[int]
+    startup_phases: dict[str, float]
+    vocab_size: int
+    weight_origin: WeightOrigin
+    figures: Figures
+
+
+@dataclass(slots=True)
+class Submit:
+    """A choice to generate; ``grammar``: its compiled grammar's spec (the worker compiles its own copy)."""
+
+    sid: int
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams  # its grammar left out
+    grammar: GrammarSpec | None
+    output_ids: list[int] | None
+
+
+@dataclass(slots=True)
+class Cancel:
+    sid: int
+
+
+@dataclass(slots=True)
+class Activate:
+    call: int
+    timeout: float
+
+
+@dataclass(slots=True)
+class AskFigures:
+    call: int
+
+
+@dataclass(slots=True)
+class Events:
+    """One step's events, each with its stream's sid."""
+
+    items: list[tuple[int, TokenEvent]]
+
+
+@dataclass(slots=True)
+class Reply:
+    call: int
+    value: Any = None
+    error: str | None = None  # the call raised RuntimeError with this message
+
+
+def _frame(message: object) -> bytes:
+    body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    return _LENGTH.pack(len(body)) + body
+
+
+def _recv_exactly(sock: socket.socket, size: int) -> bytes:
+    parts, left = [], size
+    while left:
+        part = sock.recv(left)
+        if not part:
+            raise EOFError("the front closed the link")
+        parts.append(part)
+        left -= len(part)
+    return b"".join(parts)
+
+
+def _sized(sock: socket.socket) -> socket.socket:
+    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        sock.setsockopt(socket.SOL_SOCKET, option, BUFFER_BYTES)
+    return sock
+
+
+# -- the worker's side ------------------------------------------------------------------------------------------------
+
+
+def figures(engine: LLMEngine) -> Figures:
+    return Figures(engine.alive, engine.num_running, engine.num_waiting, engine.num_preemptions, engine.prefix_cache,
+                   engine.kv_blocks_free, engine.kv_blocks_total, engine.device_memory_bytes(),
+                   engine.private_memory_bytes())  # fmt: skip
+
+
+class EngineLink:
+    """The worker's end of the link: the front's requests submitted to the engine, the engine's events sent back."""
+
+    def __init__(self, engine: LLMEngine, sock: socket.socket, tokenizer: ChatTokenizer) -> None:
+        self.engine = engine
+        self._sock = sock
+        self._tokenizer = tokenizer
+        # One frame at a time on the socket (the engine thread sends events, this thread replies), and a stream's
+        # sid known before the engine thread can send its first event.
+        self._lock = threading.Lock()
+        self._sids: dict[RequestStream, int] = {}
+        self._streams: dict[int, RequestStream] = {}
+        self._grammars: Future[Grammars] | None = None
+        self._sink = self._deliver  # one object: the Outbox groups a step's events by sink
+
+    def hello(self) -> None:
+        """Tell the front the engine is ready (it then binds the engine's socket and warms up through the link)."""
+        e = self.engine
+        self._send(Hello(e.config, e.max_num_seqs, e.max_model_len, e.memory, e.eos_token_ids, e.startup_phases,
+                         e.vocab_size, e.weight_origin, figures(e)))  # fmt: skip
+        if "xgrammar" in sys.modules:  # the fork server imported it: the front's warm-up asks for a grammar, whose
+            # compiler (0.1 s on the H200's host) is built here while the front starts, not after its own
+            self._grammars_started()
+
+    def serve(self, every: Callable[[], None], interval: float) -> None:
+        """Handle the front's messages until it closes the link; ``every`` runs about every ``interval`` seconds."""
+        self._sock.settimeout(interval)
+        due = time.monotonic() + interval
+        while True:
+            try:
+                size = _LENGTH.unpack(_recv_exactly(self._sock, _LENGTH.size))[0]
+                self._sock.settimeout(None)  # a message's body follows its length
+                message = pickle.loads(_recv_exactly(self._sock, size))
+                self._sock.settimeout(interval)
+            except TimeoutError:
+                message = None
+            except (EOFError, OSError):
+                return
+            if message is not None:
+                self._handle(message)
+            if (now := time.monotonic()) >= due:
+                due = now + interval
+                every()
+
+    def _handle(self, message: object) -> None:
+        if isinstance(message, Submit):
+            self._submit(message)
+        elif isinstance(message, Cancel):
+            stream = self._streams.get(message.sid)
+            if stream is not None:
+                stream.cancel()
+        elif isinstance(message, Activate):
+            call = message.call
+
+            def done(future: Future[float]) -> None:
+                exc = future.exception()
+                self._send(Reply(call, None, str(exc)) if exc else Reply(call, future.result()))
+
+            self.engine.activate(message.timeout).add_done_callback(done)
+        elif isinstance(message, AskFigures):
+            self._send(Reply(message.call, figures(self.engine)))
+        else:
+            raise TypeError(f"unexpected message from the front: {type(message).__name__}")
+
+    def _submit(self, message: Submit) -> None:
+        params = message.params
+        try:
+            if message.grammar is not None:
+                params = replace(params, grammar=self._grammar(message.grammar))
+            with self._lock:
+                stream = self.engine.submit(message.prompt_ids, params, message.request_id, message.output_ids,
+                                            sink=self._sink)  # fmt: skip
+                self._sids[stream] = message.sid
+                self._streams[message.sid] = stream
+        except Exception as exc:  # the front checked it as the engine does: a difference, so say it as an error
+            log.exception("event=submit_failed id=%s", message.request_id)
+            self._send(Events([(message.sid, TokenEvent(None, "error", error=f"{type(exc).__name__}: {exc}"))]))
+
+    def _grammar(self, spec: GrammarSpec) -> Any:
+        """The worker's own copy of a grammar the front compiled (a compiled grammar holds native objects)."""
+        return self._grammars_started().result().compile(spec)
+
+    def _grammars_started(self) -> Future[Grammars]:
+        """The grammar compiler, built in a thread of its own the first time it is asked for."""
+        if self._grammars is None:
+            from engine.grammar import Grammars
+
+            future: Future[Grammars] = Future()
+            self._grammars = future
+
+            def build() -> None:
+                try:
+                    future.set_result(Grammars(self._tokenizer, self.engine.vocab_size, self.engine.eos_token_ids))
+                except BaseException as exc:
+                    future.set_exception(exc)
+
+            threading.Thread(target=build, name="warmgate-grammars", daemon=True).start()
+        return self._grammars
+
+    def _deliver(self, batch: list[tuple[RequestStream, TokenEvent]]) -> None:
+        """The engine thread's sink: a step's events, in one message."""
+        items = []
+        with self._lock:
+            for stream, event in batch:
+                sid = self._sids[stream]
+                items.append((sid, event))
+                if event.finish_reason is not None:
+                    del self._sids[stream], self._streams[sid]
+            self._send_locked(Events(items))
+
+    def _send(self, message: object) -> None:
+        with self._lock:
+            self._send_locked(message)
+
+    def _send_locked(self, message: object) -> None:
+        with contextlib.suppress(OSError):  # the front is gone: serve() sees the link close and the worker stops
+            self._sock.sendall(_frame(message))
+
+
+def start_front(run: Callable[[socket.socket], int]) -> tuple[int, socket.socket]:
+    """Fork the front process, which runs ``run(its end of the link)`` and exits with what it returns; the worker
+    keeps the front's pid and its own end. Called before any thread or device exists (a fork copies neither)."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    parent = os.getpid()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        theirs.close()
+        return pid, _sized(ours)
+    code = 1
+    try:
+        ours.close()
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the worker died before the line above
+            os._exit(1)
+        code = run(_sized(theirs))
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+# -- the front's side -------------------------------------------------------------------------------------------------
+
+
+class RemoteStream(RequestStream):
+    """A choice generated in the worker: its events arrive from the link; a cancel goes back through it."""
+
+    def __init__(self, request_id: str, prompt_tokens: int, loop: asyncio.AbstractEventLoop, engine: RemoteEngine,
+                 sid: int) -> None:  # fmt: skip
+        super().__init__(request_id, prompt_tokens, loop, None, sink=_not_here)
+        self._engine = engine
+        self.sid = sid
+
+    def cancel(self) -> None:
+        if not self.cancelled:
+            super().cancel()
+            self._engine.cancel(self.sid)
+
+
+def _not_here(_: list[tuple[RequestStream, TokenEvent]]) -> None:
+    raise AssertionError("a remote stream's events come from the link")
+
+
+class RemoteEngine:
+    """The ServingEngine the front's routes use: the worker's engine, over the link."""
+
+    def __init__(self, hello: Hello, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 lost: Callable[[], None]) -> None:  # fmt: skip
+        """``lost``: called when the link ends unasked (the worker died); it should end this process at once."""
+        self.config = hello.config
+        self.max_num_seqs = hello.max_num_seqs
+        self.max_model_len = hello.max_model_len
+        self.memory = hello.memory
+        self.eos_token_ids = hello.eos_token_ids
+        self.startup_phases = hello.startup_phases
+        self.vocab_size = hello.vocab_size
+        self.weight_origin = hello.weight_origin
+        self._figures = hello.figures
+        self._reader, self._writer = reader, writer
+        self._lost = lost
+        self._stopping = False
+        self._streams: dict[int, RemoteStream] = {}
+        self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._ids = itertools.count()
+        self._task: asyncio.Task[None] | None = None
+        self.closed = asyncio.Event()  # the link ended: the worker stopped or died
+
+    def start(self, heartbeat: object = None) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._read())
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+               output_ids: list[int] | None = None) -> RequestStream:  # fmt: skip
+        """As the engine's own (the same checks, raised here), its events to come from the worker."""
+        from engine.grammar import GrammarState
+        from engine.sampling_params import check_request
+
+        check_request(prompt_ids, params, self.max_model_len, output_ids)
+        if params.grammar is not None and output_ids:
+            GrammarState(params.grammar, output_ids)  # a resume that does not follow its grammar: refused here
+        sid = next(self._ids)
+        stream = RemoteStream(request_id or f"front-{sid}", len(prompt_ids), asyncio.get_running_loop(), self, sid)
+        if self.closed.is_set():
+            stream._deliver(TokenEvent(None, "abort"))
+            return stream
+        self._streams[sid] = stream
+        spec = params.grammar.spec if params.grammar is not None else None
+        self._write(Submit(sid, stream.request_id, prompt_ids, replace(params, grammar=None), spec, output_ids))
+        return stream
+
+    def cancel(self, sid: int) -> None:
+        if sid in self._streams:
+            self._write(Cancel(sid))
+
+    def activate(self, timeout: float) -> Future[float]:
+        result: Future[float] = Future()
+        call = asyncio.ensure_future(self._call(lambda c: Activate(c, timeout)))
+
+        def done(task: asyncio.Future[Any]) -> None:
+            if task.cancelled():
+                result.cancel()
+            elif (exc := task.exception()) is not None:
+                result.set_exception(exc)
+            else:
+                result.set_result(task.result())
+
+        call.add_done_callback(done)
+        return result
+
+    async def refresh(self) -> None:
+        """Fetch the engine's figures (/health reads them)."""
+        if not self.closed.is_set():
+            self._figures = await self._call(AskFigures)
+
+    def stop(self) -> None:
+        """Close the link (the worker then stops its engine); what is unfinished ends with 'abort'."""
+        self._stopping = True
+        if not self._writer.is_closing():
+            self._writer.close()
+        self._end_all("abort")
+
+    def device_memory_bytes(self) -> int:
+        return self._figures.device_memory_bytes
+
+    def private_memory_bytes(self) -> int:
+        return self._figures.private_memory_bytes + private_memory()
+
+    @property
+    def alive(self) -> bool:
+        return self._figures.alive and not self.closed.is_set()
+
+    @property
+    def num_running(self) -> int:
+        return self._figures.running
+
+    @property
+    def num_waiting(self) -> int:
+        return self._figures.waiting
+
+    @property
+    def num_preemptions(self) -> int:
+        return self._figures.preemptions
+
+    @property
+    def prefix_cache(self) -> tuple[int, int]:
+        return self._figures.prefix_cache
+
+    @property
+    def kv_blocks_free(self) -> int:
+        return self._figures.kv_blocks_free
+
+    @property
+    def kv_blocks_total(self) -> int:
+        return self._figures.kv_blocks_total
+
+    async def _call(self, message: Callable[[int], object]) -> Any:
+        call = next(self._ids)
+        future = self._calls[call] = asyncio.get_running_loop().create_future()
+        self._write(message(call))
+        return await future
+
+    def _write(self, message: object) -> None:
+        if not self._writer.is_closing():
+            self._writer.write(_frame(message))
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                message = await read(self._reader)
+                if message is None:
+                    break
+                if isinstance(message, Events):
+                    streams = self._streams
+                    for sid, event in message.items:
+                        stream = streams.get(sid)
+                        if stream is not None:
+                            if event.finish_reason is not None:
+                                del streams[sid]
+                            stream._deliver(event)
+                elif isinstance(message, Reply):
+                    future = self._calls.pop(message.call, None)
+                    if future is not None and not future.done():
+                        if message.error is not None:
+                            future.set_exception(RuntimeError(message.error))
+                        else:
+                            future.set_result(message.value)
+        finally:
+            if not self._stopping:
+                # The worker died (a kill -9 closes its end before its death signal reaches this process): its
+                # streams must break as they did when one process served, not end with an error, so that the
+                # relays resume them on another engine.
+                self._lost()
+            self.closed.set()
+            self._end_all("error", "the engine process exited")
+
+    def _end_all(self, reason: str, error: str | None = None) -> None:
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream._deliver(TokenEvent(None, reason, error=error))
+        calls, self._calls = self._calls, {}
+        for future in calls.values():
+            if not future.done():
+                future.set_exception(RuntimeError("the engine process exited"))
+
+
+async def read(reader: asyncio.StreamReader) -> Any:
+    """The next message on the link, or None once it has closed."""
+    try:
+        size = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))[0]
+        return pickle.loads(await reader.readexactly(size))
+    except (asyncio.IncompleteReadError, ConnectionError):
+        return None
+
+
+def run_front(link: socket.socket, socket_path: Path, tokenizer: ChatTokenizer, heartbeat_path: Path | None,
+              drain_timeout: float, started: float) -> int:  # fmt: skip
+    """The front process: wait for the worker's engine, then serve the engine API on ``socket_path`` until drained."""
+    import uvloop
+
+    from common.proctitle import set_title
+
+    name = socket_path.stem.removeprefix("engine-")
+    set_title(f"engine-front {name} starting {socket_path.parent}")
+    # The worker passes its signals on. One that comes while this process starts is acted on once it serves (a drain
+    # of nothing, then a clean exit), as the worker does with one that comes while it loads.
+    stop_requested: list[str] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: stop_requested.append(signal.Signals(signum).name))
+    return uvloop.run(_front(link, socket_path, tokenizer, heartbeat_path, drain_timeout, started, stop_requested))
+
+
+async def _front(link: socket.socket, socket_path: Path, tokenizer: ChatTokenizer, heartbeat_path: Path | None,
+                 drain_timeout: float, started: float, stop_requested: list[str]) -> int:  # fmt: skip
+    from common.heartbeat import Heartbeat
+    from common.uds import bind_unix_socket
+    from engine import worker
+    from engine.server import create_app
+
+    link.setblocking(False)
+    reader, writer = await asyncio.open_unix_connection(sock=link, limit=BUFFER_BYTES)
+    hello = await read(reader)
+    if not isinstance(hello, Hello):  # the worker failed to start (and says why in the log)
+        return 1
+    engine = RemoteEngine(hello, reader, writer, lambda: os._exit(1))
+    engine.start()
+    app = create_app(engine, tokenizer)
+    sock = bind_unix_socket(socket_path)
+    sock.setblocking(False)
+    try:
+        t = time.perf_counter()
+        await worker.warm_up(app)
+        engine.startup_phases["server_warmup"] = time.perf_counter() - t
+        events.log_event(log, "startup", phase="server_warmup", seconds=engine.startup_phases["server_warmup"])
+        t = time.perf_counter()
+        gc.collect()
+        gc.freeze()  # as the worker does: start-up's objects out of the collector's generations
+        engine.startup_phases["gc"] = time.perf_counter() - t
+        events.log_event(log, "ready", socket=socket_path, seconds=time.perf_counter() - started,
+                         front_pid=os.getpid(), **engine.startup_phases)  # fmt: skip
+        heartbeat = Heartbeat(heartbeat_path) if heartbeat_path is not None else None
+        await worker.serve(app, engine, sock, drain_timeout, stop_requested, heartbeat, socket_path, "engine-front",
+                           engine.closed)  # fmt: skip
+    finally:
+        sock.close()
+        socket_path.unlink(missing_ok=True)
+    return 0

@@ -1,0 +1,133 @@
+"""The engine worker's front process (engine/front.py): the engine API served from a process apart from the one that
+steps the engine, as real processes on the CPU with the bf16 demo model."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from processes import Worker, launch_worker, start_worker
+
+pytestmark = pytest.mark.xdist_group("front")
+COUNT = "Count to one hundred: one, two, three,"
+
+
+@pytest.fixture(scope="module")
+def model(demo_path) -> Path:
+    return demo_path("bf16")
+
+
+def front_of(worker: Worker) -> int | None:
+    """The pid of the worker's front process (its child titled ``engine-front``), if it has one."""
+    pid = worker.proc.pid
+    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        try:
+            if Path(f"/proc/{child}/cmdline").read_bytes().startswith(b"warmgate: engine-front "):
+                return int(child)
+        except OSError:
+            continue
+    return None
+
+
+def gone(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat[stat.rindex(")") + 2] == "Z"  # a zombie has ended; its parent has not reaped it yet
+
+
+def wait_until(check, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            pytest.fail(what)
+        time.sleep(0.02)
+
+
+def rss_anon(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no RssAnon for {pid}")
+
+
+def completions(worker: Worker, prompts: list[str]) -> list[str]:
+    async def run() -> list[str]:
+        async with worker.client() as client:
+            responses = await asyncio.gather(*(client.post("/v1/completions", json={
+                "prompt": p, "max_tokens": 12, "temperature": 0}) for p in prompts))  # fmt: skip
+        for response in responses:
+            assert response.status_code == 200, response.text
+        return [r.json()["choices"][0]["text"] for r in responses]
+
+    return asyncio.run(run())
+
+
+def test_the_front_serves_what_one_process_serves_and_reports_both_processes(model: Path, tmp_path: Path) -> None:
+    fronted = launch_worker(tmp_path, model, "fronted")
+    single = launch_worker(tmp_path, model, "single", front_process=False)
+    try:
+        fronted.wait_ready()
+        single.wait_ready()
+        front = front_of(fronted)
+        assert front is not None, fronted.log()
+        assert front_of(single) is None
+        prompts = [COUNT, "The capital of France is", "def fibonacci(n):", "x" * 300]
+        assert completions(fronted, prompts) == completions(single, prompts)
+        with fronted.sync_client() as client:
+            health = client.get("/health").json()
+        # The engine's private memory is both processes': the worker's (its KV cache, the model's buffers) too.
+        assert health["private_memory_bytes"] > rss_anon(front), health
+        assert health["status"] == "ok" and health["kv_blocks_free"] == health["kv_blocks_total"], health
+    finally:
+        fronted.stop()
+        single.stop()
+
+
+def test_a_killed_worker_takes_its_front_and_its_streams_with_it(model: Path, tmp_path: Path) -> None:
+    """kill -9 of the worker must break its streams as one process's death did (no error event, no [DONE]), so
+    that the relays resume them elsewhere, and the front must not outlive it."""
+    worker = start_worker(tmp_path, model)
+    front = front_of(worker)
+    assert front is not None
+
+    async def run() -> tuple[list[str], BaseException | None]:
+        lines: list[str] = []
+        body = {"prompt": COUNT, "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+        try:
+            async with worker.client() as client, client.stream("POST", "/v1/completions", json=body) as response:
+                async for line in response.aiter_lines():
+                    if line and len(lines) == 3:  # tokens are flowing: the request is in flight
+                        os.kill(worker.proc.pid, signal.SIGKILL)
+                    if line:
+                        lines.append(line)
+        except httpx.HTTPError as exc:
+            return lines, exc
+        return lines, None
+
+    try:
+        lines, error = asyncio.run(run())
+        wait_until(lambda: gone(front), 10, "the front outlived its worker")
+    finally:
+        worker.stop()
+    assert len(lines) >= 3
+    assert "data: [DONE]" not in lines and not any('"error"' in line for line in lines), (lines[-3:], error)
+
+
+def test_a_dead_front_ends_its_worker_as_a_crash(model: Path, tmp_path: Path) -> None:
+    worker = start_worker(tmp_path, model)
+    try:
+        front = front_of(worker)
+        assert front is not None
+        os.kill(front, signal.SIGKILL)
+        code = worker.exit_code(timeout=30)
+    finally:
+        worker.stop()
+    assert code == 1, worker.log()
+    assert "front_status=-9" in worker.log()
