@@ -123,9 +123,10 @@ class AskFigures:
 
 @dataclass(slots=True)
 class Events:
-    """One step's events, each with its stream's sid."""
+    """One step's events, each with its stream's sid; a plain new token (no finish, no logprobs) as its id alone:
+    pickling 64 TokenEvents took 45 us and reading them 37, against 5 and 5 as ids."""
 
-    items: list[tuple[int, TokenEvent]]
+    items: list[tuple[int, TokenEvent | int]]
 
 
 @dataclass(slots=True)
@@ -267,13 +268,16 @@ class EngineLink:
 
     def _deliver(self, batch: list[tuple[RequestStream, TokenEvent]]) -> None:
         """The engine thread's sink: a step's events, in one message."""
-        items = []
+        items: list[tuple[int, TokenEvent | int]] = []
         with self._lock:
             for stream, event in batch:
                 sid = self._sids[stream]
-                items.append((sid, event))
                 if event.finish_reason is not None:
                     del self._sids[stream], self._streams[sid]
+                elif event.logprobs is None and event.prompt_logprobs is None and event.token_id is not None:
+                    items.append((sid, event.token_id))
+                    continue
+                items.append((sid, event))
             self._send_locked(Events(items))
 
     def _send(self, message: object) -> None:
@@ -462,12 +466,17 @@ class RemoteEngine:
                     break
                 if isinstance(message, Events):
                     streams = self._streams
-                    for sid, event in message.items:
+                    for sid, item in message.items:
                         stream = streams.get(sid)
-                        if stream is not None:
-                            if event.finish_reason is not None:
-                                del streams[sid]
-                            stream._deliver(event)
+                        if stream is None:
+                            continue
+                        if type(item) is int:
+                            stream._deliver(TokenEvent(item))
+                            continue
+                        assert isinstance(item, TokenEvent)
+                        if item.finish_reason is not None:
+                            del streams[sid]
+                        stream._deliver(item)
                 elif isinstance(message, Reply):
                     future = self._calls.pop(message.call, None)
                     if future is not None and not future.done():
