@@ -28,6 +28,7 @@ import itertools
 import logging
 import os
 import pickle
+import select
 import signal
 import socket
 import struct
@@ -193,16 +194,13 @@ class EngineLink:
 
     def serve(self, every: Callable[[], None], interval: float) -> None:
         """Handle the front's messages until it closes the link; ``every`` runs about every ``interval`` seconds."""
-        self._sock.settimeout(interval)
         due = time.monotonic() + interval
         while True:
+            message = None
             try:
-                size = _LENGTH.unpack(_recv_exactly(self._sock, _LENGTH.size))[0]
-                self._sock.settimeout(None)  # a message's body follows its length
-                message = pickle.loads(_recv_exactly(self._sock, size))
-                self._sock.settimeout(interval)
-            except TimeoutError:
-                message = None
+                if select.select([self._sock], [], [], interval)[0]:  # a whole message once one begins
+                    size = _LENGTH.unpack(_recv_exactly(self._sock, _LENGTH.size))[0]
+                    message = pickle.loads(_recv_exactly(self._sock, size))
             except (EOFError, OSError):
                 return
             if message is not None:
