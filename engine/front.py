@@ -163,6 +163,7 @@ def _sized(sock: socket.socket) -> socket.socket:
 
 
 def figures(engine: LLMEngine) -> Figures:
+    """The engine's figures now, as /health reports them."""
     return Figures(engine.alive, engine.num_running, engine.num_waiting, engine.num_preemptions, engine.prefix_cache,
                    engine.kv_blocks_free, engine.kv_blocks_total, engine.device_memory_bytes(),
                    engine.private_memory_bytes())  # fmt: skip
@@ -377,8 +378,10 @@ class RemoteEngine:
             stream._deliver(TokenEvent(None, "abort"))
             return stream
         self._streams[sid] = stream
-        spec = params.grammar.spec if params.grammar is not None else None
-        self._write(Submit(sid, stream.request_id, prompt_ids, replace(params, grammar=None), spec, output_ids))
+        spec = None
+        if params.grammar is not None:  # the worker compiles its own (dataclasses.replace validates: only here)
+            spec, params = params.grammar.spec, replace(params, grammar=None)
+        self._write(Submit(sid, stream.request_id, prompt_ids, params, spec, output_ids))
         return stream
 
     def cancel(self, sid: int) -> None:
