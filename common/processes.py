@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import select
 import signal
+import sys
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 
 def pid_alive(pid: int) -> bool:
@@ -128,3 +133,27 @@ def private_memory() -> int:
     except OSError:
         pass
     return 0
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """In a forked child: the kernel kills this process (SIGKILL) when the thread that forked it ends."""
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def exit_after(run: Callable[[], int]) -> NoReturn:
+    """In a forked child: run, then end the process with what it returned (a SystemExit's code; 1 and the traceback
+    for any other exception), never unwinding into the parent's code that forked it."""
+    code = 1
+    try:
+        code = run()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)

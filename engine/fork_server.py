@@ -26,7 +26,6 @@ import socket
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from typing import Any
 from cache.protocol import error_reply
 from common.events import configure_logging, log_event, log_warning
 from common.framing import ProtocolError, recv_message, send_message
+from common.processes import exit_after
 from common.proctitle import set_title
 from common.uds import bind_unix_socket
 from engine.fork_protocol import ChildExit, SpawnReply, SpawnRequest
@@ -193,19 +193,13 @@ class _ForkServer:
         pid = os.fork()
         if pid:
             return pid
-        code = 1
-        try:
+
+        def child() -> int:
             conn.close()
             self._become_child(log_path)
-            code = self.child_main(argv)
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
+            return self.child_main(argv)
+
+        exit_after(child)
 
     def _become_child(self, log_path: Path) -> None:
         """Drop everything of the server's, take the log as stdout/stderr, reseed the random generators."""

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import gc
 import itertools
 import logging
@@ -35,7 +34,6 @@ import struct
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
@@ -43,7 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from common import events
-from common.processes import private_memory
+from common.processes import die_with_parent, exit_after, private_memory
 from engine.request_stream import RequestStream, TokenEvent
 
 if TYPE_CHECKING:
@@ -56,7 +54,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("warmgate.engine.front")
 
-PR_SET_PDEATHSIG = 1
 BUFFER_BYTES = 4 * 1024 * 1024  # each way: a burst of prompts, or a step's events, never waits for the reader
 _LENGTH = struct.Struct("!I")
 
@@ -299,19 +296,15 @@ def start_front(run: Callable[[socket.socket], int]) -> tuple[int, socket.socket
     if pid:
         theirs.close()
         return pid, _sized(ours)
-    code = 1
-    try:
+
+    def child() -> int:
         ours.close()
-        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        die_with_parent()
         if os.getppid() != parent:  # the worker died before the line above
-            os._exit(1)
-        code = run(_sized(theirs))
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+            return 1
+        return run(_sized(theirs))
+
+    exit_after(child)
 
 
 # -- the front's side -------------------------------------------------------------------------------------------------

@@ -23,7 +23,6 @@ supervisor then checks the model, and its error ends this process with the same 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -39,12 +38,12 @@ from app.config import Settings, load_settings
 from app.supervisor.run_dir import RunDir, url_for
 from common.backoff import Backoff
 from common.events import configure_logging, log_event, log_warning
+from common.processes import die_with_parent
 from common.uds import private_dir
 
 log = logging.getLogger("warmgate.master")
 INHERIT_ENV = "WARMGATE_MASTER_INHERIT"  # what an upgrade's re-executed master takes over (JSON)
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2, signal.SIGCHLD)
-PR_SET_PDEATHSIG = 1
 HEALTHY_S = 60.0  # a supervisor that ran this long before it died was not crash-looping
 
 
@@ -155,7 +154,7 @@ class Master:
         pid = os.fork()
         if pid == 0:  # the child: nothing but exec (the parent is single-threaded)
             try:
-                ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+                die_with_parent()
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
                 os.set_inheritable(self.listener.fileno(), True)
                 os.set_inheritable(ready_w, True)
