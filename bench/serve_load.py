@@ -641,7 +641,8 @@ def cpu_snapshot(pids: dict[str, Any]) -> dict[str, Any]:
 
 def cpu_usage(pids: dict[str, Any], before: dict[str, Any], wall: float, tokens: int) -> dict[str, Any]:
     """CPU seconds per group over the window, cores (cpu / wall), µs per output token; gone processes named. The
-    active engine's also by thread (``engine_threads_us_per_token``: its step loop, HTTP loop and the rest)."""
+    active engine's also by thread (``engine_threads_us_per_token``: its step loop, HTTP loop, front link, the
+    rest)."""
     after = cpu_snapshot(pids)
     out: dict[str, Any] = {"gateway_kind": pids["gateway_kind"], "wall_s": wall, "output_tokens": tokens, "groups": {}}
     threads_before, threads_after = before.get("engine_threads"), after.get("engine_threads")
