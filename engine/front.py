@@ -35,7 +35,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -179,6 +179,8 @@ class EngineLink:
         self._sids: dict[RequestStream, int] = {}
         self._streams: dict[int, RequestStream] = {}
         self._grammars: Future[Grammars] | None = None
+        self._compiling: ThreadPoolExecutor | None = None  # grammars not compiled yet: off this thread
+        self._waiting: dict[int, bool] = {}  # sids whose grammar compiles -> cancelled meanwhile
         self._sink = self._deliver  # one object: the Outbox groups a step's events by sink
 
     def hello(self) -> None:
@@ -211,7 +213,10 @@ class EngineLink:
         if isinstance(message, Submit):
             self._submit(message)
         elif isinstance(message, Cancel):
-            stream = self._streams.get(message.sid)
+            with self._lock:
+                stream = self._streams.get(message.sid)
+                if message.sid in self._waiting:
+                    self._waiting[message.sid] = True
             if stream is not None:
                 stream.cancel()
         elif isinstance(message, Activate):
@@ -227,23 +232,48 @@ class EngineLink:
         else:
             raise TypeError(f"unexpected message from the front: {type(message).__name__}")
 
-    def _submit(self, message: Submit) -> None:
-        params = message.params
+    def _submit(self, message: Submit, grammar: Any = None) -> None:
+        """Submit to the engine. A grammar is the worker's own copy of the one the front compiled (a compiled grammar
+        holds native objects): from the cache here, else compiled in a thread of its own (one schema can take
+        seconds, in which every other request would wait) and then submitted from there."""
+        spec = message.grammar
         try:
-            if message.grammar is not None:
-                params = replace(params, grammar=self._grammar(message.grammar))
+            if spec is not None and grammar is None:
+                grammars = self._grammars_started()
+                grammar = grammars.result().cached(spec) if grammars.done() else None
+                if grammar is None:
+                    if self._compiling is None:
+                        self._compiling = ThreadPoolExecutor(1, thread_name_prefix="warmgate-link-grammar")
+                    with self._lock:
+                        self._waiting[message.sid] = False
+                    self._compiling.submit(self._compile_then_submit, message)
+                    return
+            params = message.params if grammar is None else replace(message.params, grammar=grammar)
             with self._lock:
                 stream = self.engine.submit(message.prompt_ids, params, message.request_id, message.output_ids,
                                             sink=self._sink)  # fmt: skip
                 self._sids[stream] = message.sid
                 self._streams[message.sid] = stream
+                cancelled = self._waiting.pop(message.sid, False)
+            if cancelled:
+                stream.cancel()
         except Exception as exc:  # the front checked it as the engine does: a difference, so say it as an error
             log.exception("event=submit_failed id=%s", message.request_id)
+            with self._lock:
+                self._waiting.pop(message.sid, None)
             self._send(Events([(message.sid, TokenEvent(None, "error", error=f"{type(exc).__name__}: {exc}"))]))
 
-    def _grammar(self, spec: GrammarSpec) -> Any:
-        """The worker's own copy of a grammar the front compiled (a compiled grammar holds native objects)."""
-        return self._grammars_started().result().compile(spec)
+    def _compile_then_submit(self, message: Submit) -> None:
+        try:
+            assert message.grammar is not None
+            grammar = self._grammars_started().result().compile(message.grammar)
+        except Exception as exc:
+            log.exception("event=submit_failed id=%s", message.request_id)
+            with self._lock:
+                self._waiting.pop(message.sid, None)
+            self._send(Events([(message.sid, TokenEvent(None, "error", error=f"{type(exc).__name__}: {exc}"))]))
+            return
+        self._submit(message, grammar)
 
     def _grammars_started(self) -> Future[Grammars]:
         """The grammar compiler, built in a thread of its own the first time it is asked for."""

@@ -100,12 +100,18 @@ class Grammars:
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=2, cache_enabled=False)
         self._cache: OrderedDict[str, Grammar] = OrderedDict()
 
-    def compile(self, spec: GrammarSpec) -> Grammar:
-        """The compiled grammar of ``spec`` (GrammarError if it cannot be compiled). Thread-safe enough to call
-        from a worker thread: the cache is touched only under the GIL, and a race compiles twice at worst."""
+    def cached(self, spec: GrammarSpec) -> Grammar | None:
+        """The compiled grammar of ``spec`` if it is in the cache (no compiling)."""
         cached = self._cache.get(spec.key)
         if cached is not None:
             self._cache.move_to_end(spec.key)
+        return cached
+
+    def compile(self, spec: GrammarSpec) -> Grammar:
+        """The compiled grammar of ``spec`` (GrammarError if it cannot be compiled). Thread-safe enough to call
+        from a worker thread: the cache is touched only under the GIL, and a race compiles twice at worst."""
+        cached = self.cached(spec)
+        if cached is not None:
             return cached
         try:
             # Compact JSON (", " and ": " between items, no other whitespace): a small model given any whitespace
