@@ -9,9 +9,9 @@ the scheduler over ~80 ms on the H200 while the step loop waited for the GIL bet
 
 The two talk over a socketpair made before the fork. The front's ``RemoteEngine`` is the ServingEngine its routes
 use; the worker's ``EngineLink`` submits to the real engine and sends each step's events back in one message (the
-engine thread's Outbox flush, as it woke a loop once per step). The messages are the dataclasses below, pickled:
-both ends are one program forked from one process, and the socketpair is reachable by no other process (the sockets
-that others reach speak common/framing.py's JSON).
+engine thread's Outbox flush, as it woke a loop once per step). The messages are the dataclasses below, in
+common/framing.py's length-prefixed JSON (``encode`` and ``decode`` below: nothing that crosses a socket is
+unpickled).
 
 Lifetimes: the front dies with its worker (PR_SET_PDEATHSIG: a kill -9 of the worker ends the front's connections at
 once, so the relays resume its requests elsewhere), and the worker stops when its front's link closes. A SIGTERM to
@@ -26,23 +26,22 @@ import gc
 import itertools
 import logging
 import os
-import pickle
 import select
 import signal
 import socket
-import struct
 import sys
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from common import events
+from common.framing import ProtocolError, read_message, recv_message, send_message, write_message
 from common.processes import die_with_parent, exit_after, private_memory
-from engine.request_stream import RequestStream, TokenEvent
+from engine.request_stream import RequestStream, TokenEvent, TokenLogprobs
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -55,7 +54,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("warmgate.engine.front")
 
 BUFFER_BYTES = 4 * 1024 * 1024  # each way: a burst of prompts, or a step's events, never waits for the reader
-_LENGTH = struct.Struct("!I")
 
 
 # -- the messages (front -> worker: Submit, Cancel, Activate, AskFigures; worker -> front: Hello, Events, Reply) --
@@ -121,8 +119,8 @@ class AskFigures:
 
 @dataclass(slots=True)
 class Events:
-    """One step's events, each with its stream's sid; a plain new token (no finish, no logprobs) as its id alone:
-    pickling 64 TokenEvents took 45 us and reading them 37, against 5 and 5 as ids."""
+    """One step's events, each with its stream's sid; a plain new token (no finish, no logprobs) as its id alone
+    (most events: an object per event is what costs, in a step's message of 64)."""
 
     items: list[tuple[int, TokenEvent | int]]
 
@@ -134,20 +132,92 @@ class Reply:
     error: str | None = None  # the call raised RuntimeError with this message
 
 
-def _frame(message: object) -> bytes:
-    body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    return _LENGTH.pack(len(body)) + body
+def encode(message: object) -> dict[str, Any]:
+    """A message as the JSON object that crosses the link."""
+    if isinstance(message, Events):
+        items = [[sid, e if isinstance(e, int) else _event_out(e)] for sid, e in message.items]
+        return {"type": "events", "items": items}
+    if isinstance(message, Submit):
+        params = {f.name: getattr(message.params, f.name) for f in fields(message.params) if f.name != "grammar"}
+        grammar = None if message.grammar is None else [message.grammar.kind, message.grammar.schema]
+        return {"type": "submit", "sid": message.sid, "request_id": message.request_id,
+                "prompt_ids": message.prompt_ids, "params": params, "grammar": grammar,
+                "output_ids": message.output_ids}  # fmt: skip
+    if isinstance(message, Cancel):
+        return {"type": "cancel", "sid": message.sid}
+    if isinstance(message, Activate):
+        return {"type": "activate", "call": message.call, "timeout": message.timeout}
+    if isinstance(message, AskFigures):
+        return {"type": "ask_figures", "call": message.call}
+    if isinstance(message, Reply):
+        value = _figures_out(message.value) if isinstance(message.value, Figures) else message.value
+        return {"type": "reply", "call": message.call, "value": value, "error": message.error,
+                "figures": isinstance(message.value, Figures)}  # fmt: skip
+    if isinstance(message, Hello):
+        return {"type": "hello", "config": message.config.model_dump(mode="json"), "max_num_seqs": message.max_num_seqs,
+                "max_model_len": message.max_model_len, "memory": message.memory,
+                "eos_token_ids": message.eos_token_ids, "startup_phases": message.startup_phases,
+                "vocab_size": message.vocab_size, "weight_origin": asdict(message.weight_origin),
+                "figures": _figures_out(message.figures)}  # fmt: skip
+    raise TypeError(f"not a message of the link: {type(message).__name__}")
 
 
-def _recv_exactly(sock: socket.socket, size: int) -> bytes:
-    parts, left = [], size
-    while left:
-        part = sock.recv(left)
-        if not part:
-            raise EOFError("the front closed the link")
-        parts.append(part)
-        left -= len(part)
-    return b"".join(parts)
+def decode(body: dict[str, Any]) -> object:
+    """The message of a JSON object from the link (KeyError or TypeError for one that is not)."""
+    kind = body["type"]
+    if kind == "events":
+        return Events([(sid, e if type(e) is int else _event_in(e)) for sid, e in body["items"]])
+    if kind == "submit":
+        from engine.grammar import GrammarSpec
+        from engine.sampling_params import SamplingParams
+
+        grammar = None if body["grammar"] is None else GrammarSpec(*body["grammar"])
+        return Submit(body["sid"], body["request_id"], body["prompt_ids"], SamplingParams(**body["params"]), grammar,
+                      body["output_ids"])  # fmt: skip
+    if kind == "cancel":
+        return Cancel(body["sid"])
+    if kind == "activate":
+        return Activate(body["call"], body["timeout"])
+    if kind == "ask_figures":
+        return AskFigures(body["call"])
+    if kind == "reply":
+        value = _figures_in(body["value"]) if body["figures"] else body["value"]
+        return Reply(body["call"], value, body["error"])
+    if kind == "hello":
+        from engine.config import EngineConfig
+        from engine.weights import WeightOrigin
+
+        return Hello(EngineConfig.model_validate(body["config"]), body["max_num_seqs"], body["max_model_len"],
+                     body["memory"], body["eos_token_ids"], body["startup_phases"], body["vocab_size"],
+                     WeightOrigin(**body["weight_origin"]), _figures_in(body["figures"]))  # fmt: skip
+    raise TypeError(f"not a message of the link: {kind!r}")
+
+
+def _figures_out(figures: Figures) -> dict[str, Any]:
+    return {f.name: getattr(figures, f.name) for f in fields(figures)}
+
+
+def _figures_in(body: dict[str, Any]) -> Figures:
+    return Figures(**{**body, "prefix_cache": tuple(body["prefix_cache"])})
+
+
+def _logprobs_out(logprobs: TokenLogprobs | None) -> list[Any] | None:
+    return None if logprobs is None else [logprobs.logprob, logprobs.top]
+
+
+def _logprobs_in(body: list[Any] | None) -> TokenLogprobs | None:
+    return None if body is None else TokenLogprobs(body[0], tuple((token, lp) for token, lp in body[1]))
+
+
+def _event_out(event: TokenEvent) -> list[Any]:
+    prompt = None if event.prompt_logprobs is None else [_logprobs_out(p) for p in event.prompt_logprobs]
+    return [event.token_id, event.finish_reason, event.error, _logprobs_out(event.logprobs), prompt]
+
+
+def _event_in(body: list[Any]) -> TokenEvent:
+    token, finish, error, logprobs, prompt = body
+    prompt_logprobs = None if prompt is None else tuple(_logprobs_in(p) for p in prompt)
+    return TokenEvent(token, finish, error, _logprobs_in(logprobs), prompt_logprobs)
 
 
 def _sized(sock: socket.socket) -> socket.socket:
@@ -199,9 +269,11 @@ class EngineLink:
             message = None
             try:
                 if select.select([self._sock], [], [], interval)[0]:  # a whole message once one begins
-                    size = _LENGTH.unpack(_recv_exactly(self._sock, _LENGTH.size))[0]
-                    message = pickle.loads(_recv_exactly(self._sock, size))
-            except (EOFError, OSError):
+                    received = recv_message(self._sock)
+                    if received is None:
+                        return
+                    message = decode(received[0])
+            except (ProtocolError, OSError):
                 return
             if message is not None:
                 self._handle(message)
@@ -312,7 +384,7 @@ class EngineLink:
 
     def _send_locked(self, message: object) -> None:
         with contextlib.suppress(OSError):  # the front is gone: serve() sees the link close and the worker stops
-            self._sock.sendall(_frame(message))
+            send_message(self._sock, encode(message))
 
 
 def start_front(run: Callable[[socket.socket], int]) -> tuple[int, socket.socket]:
@@ -480,7 +552,7 @@ class RemoteEngine:
 
     def _write(self, message: object) -> None:
         if not self._writer.is_closing():
-            self._writer.write(_frame(message))
+            write_message(self._writer, encode(message))
 
     async def _read(self) -> None:
         try:
@@ -530,10 +602,10 @@ class RemoteEngine:
 async def read(reader: asyncio.StreamReader) -> Any:
     """The next message on the link, or None once it has closed."""
     try:
-        size = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))[0]
-        return pickle.loads(await reader.readexactly(size))
-    except (asyncio.IncompleteReadError, ConnectionError):
+        body = await read_message(reader)
+    except (ProtocolError, ConnectionError):
         return None
+    return None if body is None else decode(body)
 
 
 def run_front(link: socket.socket, socket_path: Path, tokenizer: ChatTokenizer, heartbeat_path: Path | None,

@@ -131,3 +131,34 @@ def test_a_dead_front_ends_its_worker_as_a_crash(model: Path, tmp_path: Path) ->
         worker.stop()
     assert code == 1, worker.log()
     assert "front_status=-9" in worker.log()
+
+
+def test_every_message_of_the_link_crosses_it_as_json_and_back() -> None:
+    """The link's messages are JSON (common/framing.py), never pickles: each kind, encoded, dumped, read back."""
+    import json
+
+    from engine import front
+    from engine.config import EngineConfig
+    from engine.grammar import GrammarSpec
+    from engine.request_stream import TokenEvent, TokenLogprobs
+    from engine.sampling_params import SamplingParams
+    from engine.weights import WeightOrigin
+
+    figures = front.Figures(True, 1, 2, 3, (4, 5), 6, 7, 8, 9)
+    scored = TokenEvent(5, "stop", None, TokenLogprobs(-0.5, ((5, -0.5), (7, -1.25))), (None, TokenLogprobs(-1.0)))
+    params = SamplingParams(max_tokens=3, temperature=0, stop_token_ids=[9], logprobs=2)
+    messages = [
+        front.Events([(1, 42), (2, scored), (3, TokenEvent(None, "error", error="boom"))]),
+        front.Submit(1, "cmpl-1-0", [1, 2, 3], params, GrammarSpec.of_schema({"type": "object"}), [4]),
+        front.Submit(2, "cmpl-2-0", [7], SamplingParams(), None, None),
+        front.Cancel(3),
+        front.Activate(4, 1.5),
+        front.AskFigures(5),
+        front.Reply(6, figures),
+        front.Reply(7, 0.25),
+        front.Reply(8, None, "no memory"),
+        front.Hello(EngineConfig(model=Path("/m")), 8, 1024, {"kv": 1}, [2], {"warmup": 0.1}, 100,
+                    WeightOrigin("ipc", key="k", lease=3), figures),
+    ]
+    for message in messages:
+        assert front.decode(json.loads(json.dumps(front.encode(message)))) == message
