@@ -296,7 +296,6 @@ class EngineAPI:
                         started_before=bool(resume and resume.started))  # fmt: skip
         states = _choice_states(resume)
         stops = request.stop_strings()
-        self.admission.enter()
         try:
             for index in range(answer.count):
                 state = states.get(index)
@@ -321,10 +320,9 @@ class EngineAPI:
         return answer
 
     def release(self, answer: Answer) -> None:
-        """End an admitted request: cancel what is unfinished, count it out, log it."""
+        """End an admitted request: cancel what is unfinished, log it."""
         for choice in answer.choices:
             choice.close()
-        self.admission.leave()
         log.info(
             "event=request id=%s choices=%d prompt_tokens=%d completion_tokens=%d seconds=%.3f",
             answer.request_id, answer.count, sum(len(p) for p in answer.prompts),
@@ -498,18 +496,30 @@ class EngineApp:
         if route is None:
             await self.rest(scope, receive, send)
             return
+        admission = self.api.admission
         try:
             if scope["method"] != "POST":
                 raise ApiError(405, f"{scope['method']} is not allowed here: POST a request")
-            response = await self.generate(route, scope, receive, send)
+            # In flight from its receipt to its response's end: a drain waits for a request still reading its body
+            # or compiling its grammar as for one generating (counted at admission only, such a request was cut by
+            # the server's stop once the drain had seen none in flight: a 500 the relays passed on).
+            admission.enter()
         except ApiError as exc:
-            response = error_response(exc)
-        except ClientGone:
-            response = Response(status_code=499)  # nobody reads it; the request was cancelled in the engine
-        except Exception as exc:
-            response = _internal_error(exc)
-        if response is not None:
-            await response(scope, receive, send)
+            await error_response(exc)(scope, receive, send)
+            return
+        try:
+            try:
+                response = await self.generate(route, scope, receive, send)
+            except ApiError as exc:
+                response = error_response(exc)
+            except ClientGone:
+                response = Response(status_code=499)  # nobody reads it; the request was cancelled in the engine
+            except Exception as exc:
+                response = _internal_error(exc)
+            if response is not None:
+                await response(scope, receive, send)
+        finally:
+            admission.leave()
 
     async def generate(self, route: tuple[type[GenerationRequest], str, str],
                        scope: Scope, receive: Receive, send: Send) -> Response | None:  # fmt: skip

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 from conftest import PROMPT
-from processes import MAX_MODEL_LEN, Worker, launch_worker, start_worker
+from processes import MAX_MODEL_LEN, Worker, health, launch_worker, start_worker
 
 from common.uds import bind_unix_socket
 from engine.tokenizer import ChatTokenizer
@@ -462,6 +462,42 @@ def test_sigterm_lets_the_stream_in_flight_finish_then_exits(model: Path, tmp_pa
     log = worker.log()
     assert "event=shutdown signal=SIGTERM drained=True in_flight_at_start=1 remaining=0" in log, log
     assert "event=exit" in log
+
+
+def test_a_request_whose_body_still_arrives_at_a_sigterm_is_served_before_the_worker_exits(
+        model: Path, tmp_path: Path) -> None:  # fmt: skip
+    """A request is in flight from its receipt: the drain waits for one still reading its body (or compiling its
+    grammar) as for one generating, instead of ending with none in flight and letting the server's stop cut it."""
+    worker = start_worker(tmp_path, model)
+    body = json.dumps({"prompt": "Once upon a time", "max_tokens": 8, "ignore_eos": True}).encode()
+    head = (b"POST /v1/completions HTTP/1.1\r\nhost: engine\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n" % len(body))  # fmt: skip
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.connect(str(worker.socket))
+            sock.sendall(head + body[:10])  # the headers and part of the body: the app is reading the rest
+            deadline = time.monotonic() + 30
+            while health(worker)["in_flight"] != 1:
+                assert time.monotonic() < deadline, "the request being read is not counted in flight"
+                time.sleep(0.01)
+            worker.proc.send_signal(signal.SIGTERM)
+            while health(worker)["status"] != "draining":
+                assert time.monotonic() < deadline, "no drain after the SIGTERM"
+                time.sleep(0.01)
+            sock.sendall(body[10:])
+            sock.settimeout(30)
+            response = b""
+            while chunk := sock.recv(65536):
+                response += chunk
+        code = worker.exit_code(timeout=30)
+    finally:
+        stop_worker(worker)
+    status, _, rest = response.partition(b"\r\n")
+    assert status == b"HTTP/1.1 200 OK", response[:300]
+    answer = json.loads(rest.partition(b"\r\n\r\n")[2])
+    assert answer["usage"]["completion_tokens"] == 8, answer
+    assert code == 0, worker.log()
+    assert "event=shutdown signal=SIGTERM drained=True in_flight_at_start=1 remaining=0" in worker.log()
 
 
 def test_bind_replaces_a_stale_socket_but_not_a_live_one_or_a_file(tmp_path: Path) -> None:
