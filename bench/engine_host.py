@@ -7,11 +7,11 @@ CUDA event. The logits are made once, with their argmax. Streaming clients read 
 do.
 
     python bench/engine_host.py [--streams 64] [--step-ms 6] [--seconds 20] [--logprobs N]
-                                [--profile engine|loop] [--one-process] [--out FILE]
+                                [--profile engine|loop] [--fronts N] [--out FILE]
 
 Reported: output tokens/s and each request's time to its first chunk (``ttft_ms``); CPU microseconds per generated
-token of the engine thread, the HTTP loop (the front process's main thread, engine/front.py; the worker's own with
-``--one-process``), the worker's main thread reading the front's link and the rest (from /proc, per thread);
+token of the engine thread, the HTTP loops (the front processes' main threads, engine/front.py; the worker's own
+with ``--fronts 0``), the worker's main thread reading the fronts' links and the rest (from /proc, per thread);
 the stand-in GPU's idle share between back-to-back steps (``gpu_idle``: the time it had no step to run, from one
 step's end to the next one's launch, over the steps' wall time; ``step_wall_ms``), and the engine's own figure for
 it from its ``engine_stats`` lines (``engine_device_idle``); and the cores the clients used (on a machine of two
@@ -135,16 +135,17 @@ def worker(socket_path: str, config: str, step_ms: float, token_us: float, profi
 
     serve_front = front.run_front
 
-    def profiled_front(*args: Any, **kwargs: Any) -> int:  # the HTTP loop: the front process's main thread
+    def profiled_front(*args: Any, **kwargs: Any) -> int:  # the HTTP loop: a front process's main thread
         profiler.enable()
         try:
             return serve_front(*args, **kwargs)
         finally:
             profiler.disable()
-            profiler.dump_stats(str(profile))
+            index = kwargs["index"]
+            profiler.dump_stats(str(profile) if index == 0 else f"{profile}.{index}")  # the first front's: the report's
 
     front.run_front = profiled_front
-    if json.loads(config).get("front_process") is False:  # one process: the HTTP loop is its main thread
+    if json.loads(config).get("front_processes") == 0:  # one process: the HTTP loop is its main thread
         profiler.enable()
         try:
             engine_worker.main(socket_path, config)
@@ -259,8 +260,8 @@ def main() -> None:
     parser.add_argument("--shared-prefix", type=int, default=0,
                         help="--burst: token ids every prompt starts with (before its own --prompt-len)")
     parser.add_argument("--profile", choices=("engine", "loop"), help="profile this thread")
-    parser.add_argument("--one-process", action="store_true",
-                        help="the engine's HTTP API in the worker's own process (front_process = false)")
+    parser.add_argument("--fronts", type=int, default=2,
+                        help="the engine's front processes (front_processes; 0: its HTTP API in the worker's process)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -278,7 +279,7 @@ def main() -> None:
     socket_path = str(tmp / "engine.sock")
     longest = args.shared_prefix + args.prompt_len + args.max_tokens
     config = json.dumps({"model": str(model), "device": "cpu", "max_num_seqs": max(args.streams, args.burst),
-                         "max_model_len": max(1024, 2 * longest), "front_process": not args.one_process})  # fmt: skip
+                         "max_model_len": max(1024, 2 * longest), "front_processes": args.fronts})  # fmt: skip
     profile = tmp / f"{args.profile}.prof" if args.profile else None
     cmd = [sys.executable, __file__, "--worker", socket_path, config, str(args.step_ms), str(args.token_us),
            str(profile or "-")]  # fmt: skip

@@ -538,28 +538,30 @@ def _stat_cpu(stat: str) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime: fields 14 and 15
 
 
-def front_pid(pid: int | None) -> int | None:
-    """The engine worker's front process (engine/front.py: its HTTP API), if it has one."""
+def front_pids(pid: int | None) -> list[int]:
+    """The engine worker's front processes (engine/front.py: its HTTP API), if it has them."""
     try:
         children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split() if pid is not None else []
     except OSError:
-        return None
+        return []
+    fronts = []
     for child in children:
         with contextlib.suppress(OSError):
             if Path(f"/proc/{child}/cmdline").read_bytes().startswith(b"warmgate: engine-front "):
-                return int(child)
-    return None
+                fronts.append(int(child))
+    return fronts
 
 
 def thread_cpu(pid: int | None) -> dict[str, float] | None:
-    """CPU seconds of a live engine worker's threads: its engine thread (the step loop), the HTTP loop (its front
-    process's main thread, or its own main thread without a front), its main thread reading the front's link
-    (``link``), and the rest of both processes (torch's threads, the grammar masks' pool, ...); None if it is gone."""
+    """CPU seconds of a live engine worker's threads: its engine thread (the step loop), the HTTP loops (its front
+    processes' main threads, or its own main thread without fronts), its main thread reading the fronts' links
+    (``link``), and the rest of all of them (torch's threads, the grammar masks' pool, ...); None if it is gone."""
     out = {"engine": 0.0, "loop": 0.0, "link": 0.0, "other": 0.0}
-    front = front_pid(pid)
+    fronts = front_pids(pid)
     try:
         tasks = [(pid, t) for t in Path(f"/proc/{pid}/task").iterdir()] if pid is not None else []
-        tasks += [(front, t) for t in Path(f"/proc/{front}/task").iterdir()] if front is not None else []
+        for front in fronts:
+            tasks += [(front, t) for t in Path(f"/proc/{front}/task").iterdir()]
     except OSError:
         return None
     for owner, task in tasks:
@@ -569,7 +571,7 @@ def thread_cpu(pid: int | None) -> dict[str, float] | None:
             continue
         main = int(task.name) == owner
         key = ("engine" if name == ENGINE_THREAD_NAME else "other" if not main
-               else "loop" if owner == front or front is None else "link")  # fmt: skip
+               else "loop" if owner in fronts or not fronts else "link")  # fmt: skip
         out[key] += seconds
     return out if tasks else None
 
@@ -625,8 +627,8 @@ def watched_pids(status: dict[str, Any] | None, serve_pid: int | None, gateway_p
         if engine.get("pid") and engine is not active_engine(status):
             groups["engine"][f"engine-{engine.get('id')}-{engine.get('state')}"] = int(engine["pid"])
     for label, pid in list(groups["engine"].items()):
-        if (front := front_pid(pid)) is not None:  # its HTTP API's process counts with it
-            groups["engine"][f"{label}-front"] = front
+        for i, front in enumerate(front_pids(pid)):  # its HTTP API's processes count with it
+            groups["engine"][f"{label}-front-{i}"] = front
     if (cache := (status or {}).get("cache") or {}).get("pid"):
         groups["cache"]["cache"] = int(cache["pid"])
     return {"gateway_kind": kind, "groups": groups, "active_engine": active}

@@ -77,13 +77,15 @@ class EngineSettings(BaseModel):
     enable_prefix_caching: Annotated[
         bool, Field(description="reuse the KV cache blocks of prompt prefixes already computed (vLLM's name)")
     ] = True
-    front_process: Annotated[
-        bool,
+    front_processes: Annotated[
+        int,
         Field(
-            description="native: serve the engine API (parsing, text, SSE) from a process of its own, apart from the "
-            "process that steps the engine (engine/front.py); false: one process"
+            ge=0,
+            le=16,
+            description="native: processes that serve the engine API (parsing, text, SSE) apart from the process that "
+            "steps the engine, sharing its socket (engine/front.py); 0: one process serves and steps",
         ),
-    ] = True
+    ] = 2
     default_max_tokens: Annotated[
         int, Field(ge=1, description="max_tokens of a request that sets none (less if the context is shorter)")
     ] = 256

@@ -45,10 +45,11 @@ def private_dir(path: Path) -> None:
         )
 
 
-def bind_unix_socket(path: Path, *, private: bool = False) -> socket.socket:
+def bind_unix_socket(path: Path, *, private: bool = False, into: socket.socket | None = None) -> socket.socket:
     """A listening socket at path, mode 0600; a stale socket file is replaced, a live one is an error.
 
-    ``private``: also create/check the directory as 0700 (``private_dir``).
+    ``private``: also create/check the directory as 0700 (``private_dir``). ``into``: bind this (unbound) socket
+    instead of a new one (an engine's front processes inherit it before it is bound).
     """
     if private:
         private_dir(path.parent)
@@ -65,7 +66,7 @@ def bind_unix_socket(path: Path, *, private: bool = False) -> socket.socket:
         finally:
             probe.close()
     path.parent.mkdir(parents=True, exist_ok=True)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock = into if into is not None else socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     # Set through the umask, the socket is 0600 from the moment it exists (a chmod after bind leaves a window).
     old_umask = os.umask(0o177)
     try:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import itertools
 import logging
@@ -40,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from common import events
 from common.framing import ProtocolError, read_message, recv_message, send_message, write_message
-from common.processes import die_with_parent, exit_after, private_memory
+from common.processes import die_with_parent, exit_after, unshared_memory
 from engine.request_stream import RequestStream, TokenEvent, TokenLogprobs
 
 if TYPE_CHECKING:
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
     from engine.grammar import Grammars, GrammarSpec
     from engine.native.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
+    from engine.server import FrontBoard
     from engine.tokenizer import ChatTokenizer
     from engine.weights import WeightOrigin
 
@@ -71,7 +73,7 @@ class Figures:
     kv_blocks_free: int
     kv_blocks_total: int
     device_memory_bytes: int
-    private_memory_bytes: int  # the worker's (the front adds its own)
+    private_memory_bytes: int  # the worker's and its fronts'
 
 
 @dataclass(slots=True)
@@ -229,57 +231,82 @@ def _sized(sock: socket.socket) -> socket.socket:
 # -- the worker's side ------------------------------------------------------------------------------------------------
 
 
-def figures(engine: LLMEngine) -> Figures:
-    """The engine's figures now, as /health reports them."""
+def figures(engine: LLMEngine, fronts: list[int]) -> Figures:
+    """The engine's figures now, as /health reports them (private memory: the worker's and what its ``fronts`` wrote
+    on their own, not the pages they still share with it)."""
+    memory = engine.private_memory_bytes() + sum(unshared_memory(pid) for pid in fronts)
     return Figures(engine.alive, engine.num_running, engine.num_waiting, engine.num_preemptions, engine.prefix_cache,
-                   engine.kv_blocks_free, engine.kv_blocks_total, engine.device_memory_bytes(),
-                   engine.private_memory_bytes())  # fmt: skip
+                   engine.kv_blocks_free, engine.kv_blocks_total, engine.device_memory_bytes(), memory)  # fmt: skip
+
+
+class WorkerGrammars:
+    """The worker's grammar compiler, one for all its links: built in a thread of its own the first time it is asked
+    for; a grammar not cached yet compiles in a thread of its own too (one schema can take seconds)."""
+
+    def __init__(self, tokenizer: ChatTokenizer, engine: LLMEngine) -> None:
+        self._tokenizer, self._engine = tokenizer, engine
+        self._grammars: Future[Grammars] | None = None
+        self._compiling: ThreadPoolExecutor | None = None
+
+    def started(self) -> Future[Grammars]:
+        if self._grammars is None:
+            from engine.grammar import Grammars
+
+            future: Future[Grammars] = Future()
+            self._grammars = future
+
+            def build() -> None:
+                try:
+                    future.set_result(Grammars(self._tokenizer, self._engine.vocab_size, self._engine.eos_token_ids))
+                except BaseException as exc:
+                    future.set_exception(exc)
+
+            threading.Thread(target=build, name="warmgate-grammars", daemon=True).start()
+        return self._grammars
+
+    def off_thread(self, work: Callable[[], None]) -> None:
+        if self._compiling is None:
+            self._compiling = ThreadPoolExecutor(1, thread_name_prefix="warmgate-link-grammar")
+        self._compiling.submit(work)
 
 
 class EngineLink:
-    """The worker's end of the link: the front's requests submitted to the engine, the engine's events sent back."""
+    """The worker's end of one front's link: its requests submitted to the engine, the engine's events sent back."""
 
-    def __init__(self, engine: LLMEngine, sock: socket.socket, tokenizer: ChatTokenizer) -> None:
+    def __init__(self, engine: LLMEngine, sock: socket.socket, grammars: WorkerGrammars, fronts: list[int]) -> None:
+        """``fronts``: the pids of all the worker's fronts (their private memory is in the figures)."""
         self.engine = engine
-        self._sock = sock
-        self._tokenizer = tokenizer
+        self.sock = sock
+        self._grammars = grammars
+        self._fronts = fronts
         # One frame at a time on the socket (the engine thread sends events, this thread replies), and a stream's
         # sid known before the engine thread can send its first event.
         self._lock = threading.Lock()
         self._sids: dict[RequestStream, int] = {}
         self._streams: dict[int, RequestStream] = {}
-        self._grammars: Future[Grammars] | None = None
-        self._compiling: ThreadPoolExecutor | None = None  # grammars not compiled yet: off this thread
         self._waiting: dict[int, bool] = {}  # sids whose grammar compiles -> cancelled meanwhile
         self._sink = self._deliver  # one object: the Outbox groups a step's events by sink
 
     def hello(self) -> None:
-        """Tell the front the engine is ready (it then binds the engine's socket and warms up through the link)."""
+        """Tell the front the engine is ready and serves on the socket the worker has bound (the front warms up
+        through the link, then accepts on it)."""
         e = self.engine
         self._send(Hello(e.config, e.max_num_seqs, e.max_model_len, e.memory, e.eos_token_ids, e.startup_phases,
-                         e.vocab_size, e.weight_origin, figures(e)))  # fmt: skip
+                         e.vocab_size, e.weight_origin, figures(e, self._fronts)))  # fmt: skip
         if "xgrammar" in sys.modules:  # the fork server imported it: the front's warm-up asks for a grammar, whose
             # compiler (0.1 s on the H200's host) is built here while the front starts, not after its own
-            self._grammars_started()
+            self._grammars.started()
 
-    def serve(self, every: Callable[[], None], interval: float) -> None:
-        """Handle the front's messages until it closes the link; ``every`` runs about every ``interval`` seconds."""
-        due = time.monotonic() + interval
-        while True:
-            message = None
-            try:
-                if select.select([self._sock], [], [], interval)[0]:  # a whole message once one begins
-                    received = recv_message(self._sock)
-                    if received is None:
-                        return
-                    message = decode(received[0])
-            except (ProtocolError, OSError):
-                return
-            if message is not None:
-                self._handle(message)
-            if (now := time.monotonic()) >= due:
-                due = now + interval
-                every()
+    def receive(self) -> bool:
+        """Handle the front's next message (select said one begins); False once the link has closed."""
+        try:
+            received = recv_message(self.sock)  # a whole message, blocking once it begins
+        except (ProtocolError, OSError):
+            return False
+        if received is None:
+            return False
+        self._handle(decode(received[0]))
+        return True
 
     def _handle(self, message: object) -> None:
         if isinstance(message, Submit):
@@ -300,7 +327,7 @@ class EngineLink:
 
             self.engine.activate(message.timeout).add_done_callback(done)
         elif isinstance(message, AskFigures):
-            self._send(Reply(message.call, figures(self.engine)))
+            self._send(Reply(message.call, figures(self.engine, self._fronts)))
         else:
             raise TypeError(f"unexpected message from the front: {type(message).__name__}")
 
@@ -311,14 +338,12 @@ class EngineLink:
         spec = message.grammar
         try:
             if spec is not None and grammar is None:
-                grammars = self._grammars_started()
+                grammars = self._grammars.started()
                 grammar = grammars.result().cached(spec) if grammars.done() else None
                 if grammar is None:
-                    if self._compiling is None:
-                        self._compiling = ThreadPoolExecutor(1, thread_name_prefix="warmgate-link-grammar")
                     with self._lock:
                         self._waiting[message.sid] = False
-                    self._compiling.submit(self._compile_then_submit, message)
+                    self._grammars.off_thread(functools.partial(self._compile_then_submit, message))
                     return
             params = message.params if grammar is None else replace(message.params, grammar=grammar)
             with self._lock:
@@ -338,7 +363,7 @@ class EngineLink:
     def _compile_then_submit(self, message: Submit) -> None:
         try:
             assert message.grammar is not None
-            grammar = self._grammars_started().result().compile(message.grammar)
+            grammar = self._grammars.started().result().compile(message.grammar)
         except Exception as exc:
             log.exception("event=submit_failed id=%s", message.request_id)
             with self._lock:
@@ -346,23 +371,6 @@ class EngineLink:
             self._send(Events([(message.sid, TokenEvent(None, "error", error=f"{type(exc).__name__}: {exc}"))]))
             return
         self._submit(message, grammar)
-
-    def _grammars_started(self) -> Future[Grammars]:
-        """The grammar compiler, built in a thread of its own the first time it is asked for."""
-        if self._grammars is None:
-            from engine.grammar import Grammars
-
-            future: Future[Grammars] = Future()
-            self._grammars = future
-
-            def build() -> None:
-                try:
-                    future.set_result(Grammars(self._tokenizer, self.engine.vocab_size, self.engine.eos_token_ids))
-                except BaseException as exc:
-                    future.set_exception(exc)
-
-            threading.Thread(target=build, name="warmgate-grammars", daemon=True).start()
-        return self._grammars
 
     def _deliver(self, batch: list[tuple[RequestStream, TokenEvent]]) -> None:
         """The engine thread's sink: a step's events, in one message."""
@@ -384,12 +392,32 @@ class EngineLink:
 
     def _send_locked(self, message: object) -> None:
         with contextlib.suppress(OSError):  # the front is gone: serve() sees the link close and the worker stops
-            send_message(self._sock, encode(message))
+            send_message(self.sock, encode(message))
 
 
-def start_front(run: Callable[[socket.socket], int]) -> tuple[int, socket.socket]:
-    """Fork the front process, which runs ``run(its end of the link)`` and exits with what it returns; the worker
-    keeps the front's pid and its own end. Called before any thread or device exists (a fork copies neither)."""
+def serve_links(links: list[EngineLink], ended: Callable[[EngineLink], bool], every: Callable[[], None],
+                interval: float) -> None:  # fmt: skip
+    """Handle the fronts' messages on this thread until every link has closed, or until ``ended`` (called as a link
+    closes: its front is done) says False (that front did not end cleanly); ``every`` runs about every ``interval``
+    seconds."""
+    live = {link.sock: link for link in links}
+    due = time.monotonic() + interval
+    while live:
+        for sock in select.select(list(live), [], [], interval)[0]:
+            link = live[sock]
+            if not link.receive():
+                del live[sock]
+                if not ended(link):
+                    return
+        if (now := time.monotonic()) >= due:
+            due = now + interval
+            every()
+
+
+def start_front(run: Callable[[socket.socket], int], others: list[socket.socket]) -> tuple[int, socket.socket]:
+    """Fork a front process, which runs ``run(its end of the link)`` and exits with what it returns; the worker
+    keeps the front's pid and its own end (``others``: its ends of the links of fronts forked before, closed in
+    this one). Called before any thread or device exists (a fork copies neither)."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     parent = os.getpid()
     sys.stdout.flush()
@@ -401,6 +429,8 @@ def start_front(run: Callable[[socket.socket], int]) -> tuple[int, socket.socket
 
     def child() -> int:
         ours.close()
+        for sock in others:  # so that a front's link ends when the worker's end does
+            sock.close()
         die_with_parent()
         if os.getppid() != parent:  # the worker died before the line above
             return 1
@@ -514,7 +544,7 @@ class RemoteEngine:
         return self._figures.device_memory_bytes
 
     def private_memory_bytes(self) -> int:
-        return self._figures.private_memory_bytes + private_memory()
+        return self._figures.private_memory_bytes  # the worker's and every front's
 
     @property
     def alive(self) -> bool:
@@ -608,27 +638,32 @@ async def read(reader: asyncio.StreamReader) -> Any:
     return None if body is None else decode(body)
 
 
-def run_front(link: socket.socket, socket_path: Path, tokenizer: ChatTokenizer, heartbeat_path: Path | None,
-              drain_timeout: float, started: float) -> int:  # fmt: skip
-    """The front process: wait for the worker's engine, then serve the engine API on ``socket_path`` until drained."""
+def run_front(link: socket.socket, socket_path: Path, listener: socket.socket, board: FrontBoard, index: int,
+              tokenizer: ChatTokenizer, heartbeat_path: Path | None, drain_timeout: float,
+              started: float) -> int:  # fmt: skip
+    """A front process: wait for the worker's engine, then serve the engine API on ``listener`` (the socket at
+    ``socket_path``, which the worker binds once its engine is ready and every front accepts on) until drained;
+    ``board``: what the worker's fronts share, slot ``index`` this one's."""
     import uvloop
 
     from common.proctitle import set_title
 
     name = socket_path.stem.removeprefix("engine-")
     set_title(f"engine-front {name} starting {socket_path.parent}")
+    board.index = index
     # The worker passes its signals on. One that comes while this process starts is acted on once it serves (a drain
     # of nothing, then a clean exit), as the worker does with one that comes while it loads.
     stop_requested: list[str] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: stop_requested.append(signal.Signals(signum).name))
-    return uvloop.run(_front(link, socket_path, tokenizer, heartbeat_path, drain_timeout, started, stop_requested))
+    return uvloop.run(_front(link, socket_path, listener, board, tokenizer, heartbeat_path, drain_timeout, started,
+                             stop_requested))  # fmt: skip
 
 
-async def _front(link: socket.socket, socket_path: Path, tokenizer: ChatTokenizer, heartbeat_path: Path | None,
-                 drain_timeout: float, started: float, stop_requested: list[str]) -> int:  # fmt: skip
+async def _front(link: socket.socket, socket_path: Path, listener: socket.socket, board: FrontBoard,
+                 tokenizer: ChatTokenizer, heartbeat_path: Path | None, drain_timeout: float, started: float,
+                 stop_requested: list[str]) -> int:  # fmt: skip
     from common.heartbeat import Heartbeat
-    from common.uds import bind_unix_socket
     from engine import worker
     from engine.server import create_app
 
@@ -639,9 +674,8 @@ async def _front(link: socket.socket, socket_path: Path, tokenizer: ChatTokenize
         return 1
     engine = RemoteEngine(hello, reader, writer, lambda: os._exit(1))
     engine.start()
-    app = create_app(engine, tokenizer)
-    sock = bind_unix_socket(socket_path)
-    sock.setblocking(False)
+    app = create_app(engine, tokenizer, board)
+    listener.setblocking(False)
     try:
         t = time.perf_counter()
         await worker.warm_up(app)
@@ -654,9 +688,9 @@ async def _front(link: socket.socket, socket_path: Path, tokenizer: ChatTokenize
         events.log_event(log, "ready", socket=socket_path, seconds=time.perf_counter() - started,
                          front_pid=os.getpid(), **engine.startup_phases)  # fmt: skip
         heartbeat = Heartbeat(heartbeat_path) if heartbeat_path is not None else None
-        await worker.serve(app, engine, sock, drain_timeout, stop_requested, heartbeat, socket_path, "engine-front",
-                           engine.closed)  # fmt: skip
+        await worker.serve(app, engine, listener, drain_timeout, stop_requested, heartbeat, socket_path,
+                           "engine-front", engine.closed)  # fmt: skip
     finally:
-        sock.close()
-        socket_path.unlink(missing_ok=True)
+        listener.close()
+        socket_path.unlink(missing_ok=True)  # the engine takes no new connection (the others drain, or die with it)
     return 0

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import mmap
 import os
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -146,39 +147,86 @@ def _draining_error() -> ApiError:
     return ApiError(503, "the engine is draining and accepts no new requests", "service_unavailable", None, "draining")
 
 
-class Admission:
-    """Counts in-flight requests; once draining, refuses new ones and lets drain() wait for the count to reach 0."""
+class FrontBoard:
+    """What an engine's front processes share (engine/front.py): a draining flag and each front's count of requests
+    in flight, in an anonymous shared mapping the worker makes before it forks them. Each front writes its own slot
+    (``index``); any of them reads them all, so a drain asked of one is the engine's and /health counts every
+    front's requests."""
 
-    def __init__(self) -> None:
-        self.in_flight = 0
-        self.draining = False
+    def __init__(self, fronts: int) -> None:
+        self.fronts = fronts
+        self.index = 0  # this process's slot: each front sets its own after the fork
+        self._slots = memoryview(mmap.mmap(-1, 8 * (fronts + 1))).cast("q")  # MAP_SHARED: forks share it
+
+    @property
+    def draining(self) -> bool:
+        return self._slots[0] != 0
+
+    def drain(self) -> None:
+        self._slots[0] = 1
+
+    def count(self, in_flight: int) -> None:
+        self._slots[self.index + 1] = in_flight
+
+    def total(self) -> int:
+        return sum(self._slots[1:])
+
+
+DRAIN_POLL_S = 0.01  # how often a drain looks at the other fronts' counts once its own requests are done
+
+
+class Admission:
+    """Counts in-flight requests; once draining, refuses new ones and lets drain() wait for the count to reach 0.
+    With a ``board`` (several front processes), the flag and the count are the engine's: every front's."""
+
+    def __init__(self, board: FrontBoard | None = None) -> None:
+        self._own = 0
+        self._draining = False
+        self._board = board
         self._idle = asyncio.Event()
         self._idle.set()
+
+    @property
+    def draining(self) -> bool:
+        return self._draining or (self._board is not None and self._board.draining)
+
+    @property
+    def in_flight(self) -> int:
+        return self._own if self._board is None else self._board.total()
 
     def enter(self) -> None:
         """Admit a request, or raise the 503 a draining engine answers."""
         if self.draining:
             raise _draining_error()
-        self.in_flight += 1
+        self._own += 1
+        if self._board is not None:
+            self._board.count(self._own)
         self._idle.clear()
 
     def leave(self) -> None:
         """A request admitted by enter() is done (its response, stream included, has ended)."""
-        self.in_flight -= 1
-        if self.in_flight == 0:
+        self._own -= 1
+        if self._board is not None:
+            self._board.count(self._own)
+        if self._own == 0:
             self._idle.set()
 
     async def drain(self, timeout: float | None) -> DrainReport:
         """Stop admitting, then wait (at most timeout seconds) until no request is in flight."""
-        self.draining = True
+        self._draining = True
+        if self._board is not None:
+            self._board.drain()
         start = time.monotonic()
         at_start = self.in_flight
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._idle.wait(), timeout)
+            while self.in_flight and (timeout is None or time.monotonic() - start < timeout):
+                await asyncio.sleep(DRAIN_POLL_S)  # the other fronts' requests: they say nothing when they end
+        remaining = self.in_flight
         return DrainReport(
-            drained=self.in_flight == 0,
+            drained=remaining == 0,
             in_flight_at_start=at_start,
-            remaining=self.in_flight,
+            remaining=remaining,
             seconds=round(time.monotonic() - start, 3),
         )
 
@@ -223,11 +271,11 @@ def _validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
 class EngineAPI:
     """What the routes do: admission, prompt checks, submission to the engine, responses and streams."""
 
-    def __init__(self, engine: ServingEngine, tokenizer: ChatTokenizer) -> None:
+    def __init__(self, engine: ServingEngine, tokenizer: ChatTokenizer, board: FrontBoard | None = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.chunks = ChunkWriter(tokenizer, engine.config.name)
-        self.admission = Admission()
+        self.admission = Admission(board)
         self.model_name = engine.config.name
         self._grammars: asyncio.Future[Grammars] | None = None
         # Test-only fault: a request with this `user` makes the worker exit (a poison request).
@@ -542,9 +590,9 @@ class EngineApp:
         return await api.whole(answer, events, receive, isinstance(request, ChatCompletionRequest))
 
 
-def create_app(engine: ServingEngine, tokenizer: ChatTokenizer) -> EngineApp:
-    """The app an engine worker serves on its Unix socket."""
-    api = EngineAPI(engine, tokenizer)
+def create_app(engine: ServingEngine, tokenizer: ChatTokenizer, board: FrontBoard | None = None) -> EngineApp:
+    """The app an engine worker (or each of its front processes, sharing ``board``) serves on its Unix socket."""
+    api = EngineAPI(engine, tokenizer, board)
     app = FastAPI(title="warmgate engine", docs_url=None, redoc_url=None)
 
     @app.exception_handler(ApiError)

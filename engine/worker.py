@@ -203,14 +203,22 @@ def main(socket_path: str | Path, config_source: str, drain_timeout: float = DEF
     log_event("startup", phase="tokenizer", seconds=time.perf_counter() - t)
 
     tokenizer_seconds = time.perf_counter() - t
-    front: tuple[int, socket.socket] | None = None
-    if config.backend == "native" and config.front_process:  # vLLM keeps its engine core in a process of its own
+    fronts: list[tuple[int, socket.socket]] = []
+    count = config.front_processes if config.backend == "native" else 0  # vLLM has an engine-core process of its own
+    if count:
+        # The socket every front accepts on, made before they are forked (each inherits it) and bound by this process
+        # once its engine is ready; and the board where they keep the engine's drain and in-flight count.
         from engine.front import run_front, start_front
+        from engine.server import FrontBoard
 
-        front = start_front(functools.partial(run_front, socket_path=socket_path, tokenizer=tokenizer,
-                                              heartbeat_path=heartbeat_path, drain_timeout=drain_timeout,
-                                              started=started))  # fmt: skip
-        log_event("startup", phase="front", pid=front[0])
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        board = FrontBoard(count)
+        for index in range(count):
+            run = functools.partial(run_front, socket_path=socket_path, listener=listener, board=board, index=index,
+                                    tokenizer=tokenizer, heartbeat_path=heartbeat_path, drain_timeout=drain_timeout,
+                                    started=started)  # fmt: skip
+            fronts.append(start_front(run, [sock for _, sock in fronts]))
+        log_event("startup", phase="front", pids=",".join(str(pid) for pid, _ in fronts))
     t = time.perf_counter()
     engine = _build_engine(config)
     log_event("startup", phase="engine", seconds=time.perf_counter() - t, model=config.name, device=config.device)
@@ -227,8 +235,9 @@ def main(socket_path: str | Path, config_source: str, drain_timeout: float = DEF
 
     heartbeat = Heartbeat(heartbeat_path) if heartbeat_path is not None else None
     engine.start(heartbeat)
-    if front is not None:
-        return _serve_through_front(engine, front, tokenizer, stop_requested, heartbeat, socket_path, started)
+    if fronts:
+        return _serve_through_fronts(engine, fronts, listener, tokenizer, stop_requested, heartbeat, socket_path,
+                                     started)  # fmt: skip
     try:
         app = create_app(engine, tokenizer)
         sock = bind_unix_socket(socket_path)
@@ -258,20 +267,24 @@ def main(socket_path: str | Path, config_source: str, drain_timeout: float = DEF
     return 0
 
 
-def _serve_through_front(engine: Any, front: tuple[int, socket.socket], tokenizer: Any, stop_requested: list[str],
-                         heartbeat: Heartbeat | None, socket_path: Path, started: float) -> int:  # fmt: skip
-    """The worker's part while its front process serves (engine/front.py): the link's messages on this thread until
-    the front closes it, signals passed on to the front (which drains), then the engine stopped. Exits 1 if the front
-    did not end cleanly (a crash for the supervisor, which starts another engine)."""
+def _serve_through_fronts(engine: Any, fronts: list[tuple[int, socket.socket]], listener: socket.socket,
+                          tokenizer: Any, stop_requested: list[str], heartbeat: Heartbeat | None, socket_path: Path,
+                          started: float) -> int:  # fmt: skip
+    """The worker's part while its front processes serve (engine/front.py): bind the socket they accept on, then the
+    links' messages on this thread until every front has closed its link, signals passed on to the fronts (which
+    drain), then the engine stopped. Exits 1 if a front did not end cleanly (a crash for the supervisor, which starts
+    another engine; the other fronts end as their links close)."""
     from common.heartbeat import BEAT_INTERVAL
     from common.proctitle import set_title
-    from engine.front import EngineLink
+    from common.uds import bind_unix_socket
+    from engine.front import EngineLink, WorkerGrammars, serve_links
 
-    pid, sock = front
+    pids = [pid for pid, _ in fronts]
 
     def forward(signum: int, _frame: object) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signum)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)
@@ -285,18 +298,39 @@ def _serve_through_front(engine: Any, front: tuple[int, socket.socket], tokenize
             shown[0] = state
             set_title(f"engine {name} {state} {run_dir}")
 
-    link = EngineLink(engine, sock, tokenizer)
+    grammars = WorkerGrammars(tokenizer, engine)
+    links = {EngineLink(engine, sock, grammars, pids): pid for pid, sock in fronts}
+    statuses: dict[int, int | None] = {}
+
+    def ended(link: EngineLink) -> bool:
+        pid = links[link]
+        statuses[pid] = _reap(pid, 5.0)
+        return statuses[pid] == 0
+
     gc.collect()
     gc.freeze()
-    link.hello()
     try:
-        link.serve(show_state, BEAT_INTERVAL)
+        bind_unix_socket(socket_path, into=listener)
+        for link in links:
+            link.hello()
+    except BaseException:
+        engine.stop()
+        raise
+    finally:
+        listener.close()  # the fronts accept on it; a worker whose fronts have ended must not keep it listening
+    try:
+        serve_links(list(links), ended, show_state, BEAT_INTERVAL)
     finally:
         engine.stop()
-        sock.close()
-    status = _reap(pid, 5.0)
-    log_event("exit", seconds=time.perf_counter() - started, front_status=status)
-    return 0 if status == 0 else 1
+        for link in links:
+            link.sock.close()  # a front still serving ends (a lost link), its connections cut for the relays
+        socket_path.unlink(missing_ok=True)
+    for pid in pids:
+        if pid not in statuses:
+            statuses[pid] = _reap(pid, 5.0)
+    log_event("exit", seconds=time.perf_counter() - started,
+              front_status=",".join(str(statuses[pid]) for pid in pids))  # fmt: skip
+    return 0 if all(status == 0 for status in statuses.values()) else 1
 
 
 def _reap(pid: int, timeout: float) -> int | None:

@@ -1,5 +1,5 @@
-"""The engine worker's front process (engine/front.py): the engine API served from a process apart from the one that
-steps the engine, as real processes on the CPU with the bf16 demo model."""
+"""The engine worker's front processes (engine/front.py): the engine API served from processes apart from the one that
+steps the engine, sharing its socket, as real processes on the CPU with the bf16 demo model."""
 
 from __future__ import annotations
 
@@ -22,16 +22,16 @@ def model(demo_path) -> Path:
     return demo_path("bf16")
 
 
-def front_of(worker: Worker) -> int | None:
-    """The pid of the worker's front process (its child titled ``engine-front``), if it has one."""
-    pid = worker.proc.pid
+def fronts_of(worker: Worker) -> list[int]:
+    """The pids of the worker's front processes (its children titled ``engine-front``)."""
+    pid, fronts = worker.proc.pid, []
     for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
         try:
             if Path(f"/proc/{child}/cmdline").read_bytes().startswith(b"warmgate: engine-front "):
-                return int(child)
+                fronts.append(int(child))
         except OSError:
             continue
-    return None
+    return fronts
 
 
 def gone(pid: int) -> bool:
@@ -69,33 +69,90 @@ def completions(worker: Worker, prompts: list[str]) -> list[str]:
     return asyncio.run(run())
 
 
-def test_the_front_serves_what_one_process_serves_and_reports_both_processes(model: Path, tmp_path: Path) -> None:
-    fronted = launch_worker(tmp_path, model, "fronted")
-    single = launch_worker(tmp_path, model, "single", front_process=False)
+def test_the_fronts_serve_what_one_process_serves_and_report_every_process(model: Path, tmp_path: Path) -> None:
+    fronted = launch_worker(tmp_path, model, "fronted", front_processes=3)
+    single = launch_worker(tmp_path, model, "single", front_processes=0)
     try:
         fronted.wait_ready()
         single.wait_ready()
-        front = front_of(fronted)
-        assert front is not None, fronted.log()
-        assert front_of(single) is None
-        prompts = [COUNT, "The capital of France is", "def fibonacci(n):", "x" * 300]
+        fronts = fronts_of(fronted)
+        assert len(fronts) == 3, fronted.log()
+        assert fronts_of(single) == []
+        prompts = [COUNT, "The capital of France is", "def fibonacci(n):", "x" * 300] * 2
         assert completions(fronted, prompts) == completions(single, prompts)
         with fronted.sync_client() as client:
             health = client.get("/health").json()
-        # The engine's private memory is both processes': the worker's (its KV cache, the model's buffers) too.
-        assert health["private_memory_bytes"] > rss_anon(front), health
+        # The engine's private memory is every process's: the worker's (its KV cache, the model's buffers) and what
+        # each front wrote on its own, not the pages the fronts still share with the worker (RssAnon counts those).
+        worker, shared_too = rss_anon(fronted.proc.pid), sum(rss_anon(pid) for pid in fronts)
+        assert worker < health["private_memory_bytes"] < worker + shared_too, (health, worker, shared_too)
         assert health["status"] == "ok" and health["kv_blocks_free"] == health["kv_blocks_total"], health
     finally:
         fronted.stop()
         single.stop()
 
 
-def test_a_killed_worker_takes_its_front_and_its_streams_with_it(model: Path, tmp_path: Path) -> None:
+def test_a_drain_asked_of_one_front_is_the_engines(model: Path, tmp_path: Path) -> None:
+    """Whichever front takes /drain, every front stops admitting, /health counts every front's requests, and the
+    drain waits for the streams of all of them (the kernel hands each connection to any front)."""
+    worker = start_worker(tmp_path, model, front_processes=2)
+    streams = 6
+
+    async def run() -> tuple[list[list[str]], list[int], dict, list[int]]:  # type: ignore[type-arg]
+        clients = [worker.client() for _ in range(streams + 1)]  # a connection each
+        started = asyncio.Event()
+        begun = 0
+
+        async def stream(client: httpx.AsyncClient) -> list[str]:
+            nonlocal begun
+            body = {"prompt": COUNT, "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stream": True}
+            lines: list[str] = []
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                async for line in response.aiter_lines():
+                    if line and not lines:
+                        begun += 1
+                        if begun == streams:
+                            started.set()
+                    if line:
+                        lines.append(line)
+            return lines
+
+        tasks = [asyncio.create_task(stream(c)) for c in clients[:streams]]
+        await asyncio.wait_for(started.wait(), 60)
+        in_flight = (await clients[streams].get("/health")).json()["in_flight"]
+        draining = asyncio.create_task(clients[streams].post("/drain", json={"timeout": 60}))
+        while (await clients[streams].get("/health")).json()["status"] != "draining":
+            assert not draining.done(), draining.result().text
+        refused = []
+        for _ in range(4):  # new connections, to whichever front takes them
+            async with worker.client() as fresh:
+                answer = await fresh.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+            refused.append(answer.status_code)
+        lines = await asyncio.gather(*tasks)
+        report = (await draining).json()
+        for client in clients:
+            await client.aclose()
+        return lines, [in_flight], report, refused
+
+    try:
+        lines, (in_flight,), report, refused = asyncio.run(run())
+        worker.proc.send_signal(signal.SIGTERM)
+        code = worker.exit_code(timeout=30)
+    finally:
+        worker.stop()
+    assert in_flight == streams
+    assert all(line[-1] == "data: [DONE]" for line in lines)
+    assert report["drained"] is True and report["in_flight_at_start"] == streams and report["remaining"] == 0, report
+    assert refused and set(refused) == {503}, refused
+    assert code == 0, worker.log()
+
+
+def test_a_killed_worker_takes_its_fronts_and_its_streams_with_it(model: Path, tmp_path: Path) -> None:
     """kill -9 of the worker must break its streams as one process's death did (no error event, no [DONE]), so
-    that the relays resume them elsewhere, and the front must not outlive it."""
-    worker = start_worker(tmp_path, model)
-    front = front_of(worker)
-    assert front is not None
+    that the relays resume them elsewhere, and no front may outlive it."""
+    worker = start_worker(tmp_path, model, front_processes=2)
+    fronts = fronts_of(worker)
+    assert len(fronts) == 2
 
     async def run() -> tuple[list[str], BaseException | None]:
         lines: list[str] = []
@@ -113,24 +170,24 @@ def test_a_killed_worker_takes_its_front_and_its_streams_with_it(model: Path, tm
 
     try:
         lines, error = asyncio.run(run())
-        wait_until(lambda: gone(front), 10, "the front outlived its worker")
+        wait_until(lambda: all(gone(front) for front in fronts), 10, "a front outlived its worker")
     finally:
         worker.stop()
     assert len(lines) >= 3
     assert "data: [DONE]" not in lines and not any('"error"' in line for line in lines), (lines[-3:], error)
 
 
-def test_a_dead_front_ends_its_worker_as_a_crash(model: Path, tmp_path: Path) -> None:
-    worker = start_worker(tmp_path, model)
+def test_a_dead_front_ends_its_worker_and_the_other_fronts_as_a_crash(model: Path, tmp_path: Path) -> None:
+    worker = start_worker(tmp_path, model, front_processes=2)
     try:
-        front = front_of(worker)
-        assert front is not None
-        os.kill(front, signal.SIGKILL)
+        victim, other = fronts_of(worker)
+        os.kill(victim, signal.SIGKILL)
         code = worker.exit_code(timeout=30)
+        wait_until(lambda: gone(other), 10, "the other front outlived its worker")
     finally:
         worker.stop()
     assert code == 1, worker.log()
-    assert "front_status=-9" in worker.log()
+    assert "front_status=" in worker.log() and "-9" in worker.log().split("front_status=")[-1].split()[0]
 
 
 def test_every_message_of_the_link_crosses_it_as_json_and_back() -> None:
