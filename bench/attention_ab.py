@@ -1,0 +1,106 @@
+"""Paged attention on the GPU for the steps a prefix wave and decoding make: prefill chunks over a shared cached
+prefix (the blocks every sequence's table shares), with and without decode rows, decode alone, fresh prompts; each
+timed in a CUDA graph over 32 layers' caches (llama3-8b's 32 query heads on 8 KV heads, dim 128). ``--baseline FILE``:
+a second copy of engine/native/triton_attention.py (e.g. ``git show REV:engine/native/triton_attention.py``) timed
+beside the working tree's, twice each in turn, with the largest difference of their outputs.
+
+    PYTHONPATH=/tmp/site:$PWD python3 bench/attention_ab.py --out $OUT/ab.json [--baseline /tmp/old_attention.py]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import engine.native.triton_attention as current
+from bench.gpu_step_profile import graphed_us
+from engine.native.attention import StepBatch
+
+HEADS, KV_HEADS, DIM, LAYERS, PAGE, PREFIX = 32, 8, 128, 32, 16, 2000
+CHUNKS = [(PREFIX + 50, 50)] * 20  # 20 questions of 50 tokens after a cached 2,000-token system prompt
+DECODES = [(PREFIX + 100, 1)] * 44  # sequences of the same wave already decoding
+CASES: dict[str, tuple[list[tuple[int, int]], bool]] = {  # (context after the step, rows) per sequence; shared prefix
+    "20 chunks of 50 over 2,000 cached": (CHUNKS, True),
+    "20 chunks of 50 + 44 decode rows over 2,000 cached": (CHUNKS + DECODES, True),
+    "44 decode rows at 2,100": (DECODES, True),
+    "decode 1 at 300": ([(300, 1)], False),
+    "decode 64 at 300": ([(300, 1)] * 64, False),
+    "decode 1 at 2,000": ([(2000, 1)], False),
+    "fresh 1 x 1,024": ([(1024, 1024)], False),
+    "fresh 4 x 512": ([(512, 512)] * 4, False),
+}
+
+
+def step_batch(specs: list[tuple[int, int]], shared: bool, device: torch.device) -> tuple[StepBatch, int, int]:
+    """The step's metadata, its cache's blocks and its rows; ``shared``: the first PREFIX positions of every
+    sequence in the same blocks (as prefix caching leaves them)."""
+    prefix_blocks, next_block = PREFIX // PAGE, PREFIX // PAGE + 1
+    tables, starts = [], [0]
+    for length, rows in specs:
+        n = -(-length // PAGE)
+        own = n - prefix_blocks if shared else n
+        tables.append((list(range(1, prefix_blocks + 1)) if shared else []) + list(range(next_block, next_block + own)))
+        next_block += own
+        starts.append(starts[-1] + rows)
+    table = torch.zeros(len(specs), max(map(len, tables)), dtype=torch.int32)
+    for i, t in enumerate(tables):
+        table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    batch = StepBatch(tokens=torch.empty(0), positions=torch.empty(0), slots=torch.empty(0),
+                      query_start=torch.tensor(starts, device=device),
+                      seq_lens=torch.tensor([length for length, _ in specs], device=device),
+                      block_tables=table.to(device), logits_indices=torch.empty(0),
+                      max_query_len=max(rows for _, rows in specs), block_size=PAGE)  # fmt: skip
+    return batch, next_block, starts[-1]
+
+
+def load(path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location("baseline_attention", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--baseline", type=Path, help="another triton_attention.py to time beside this tree's")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    kernels = {"current": current} | ({"baseline": load(args.baseline)} if args.baseline else {})
+    results: dict[str, dict[str, float | bool]] = {}
+    for name, (specs, shared) in CASES.items():
+        batch, blocks, rows = step_batch(specs, shared, device)
+        caches = [(torch.randn(blocks * PAGE, KV_HEADS, DIM, device=device, dtype=torch.bfloat16),
+                   torch.randn(blocks * PAGE, KV_HEADS, DIM, device=device, dtype=torch.bfloat16))
+                  for _ in range(LAYERS)]  # fmt: skip
+        q = torch.randn(rows, HEADS, DIM, device=device, dtype=torch.bfloat16)
+        row: dict[str, float | bool] = {}
+        for turn in range(2):
+            for label, kernel in kernels.items():
+                def step(kernel: ModuleType = kernel, caches: list[tuple[torch.Tensor, torch.Tensor]] = caches) -> None:
+                    for k, v in caches:
+                        kernel.paged_attention(q, k, v, batch, DIM**-0.5)
+
+                row[f"{label}_us" + ("_again" if turn else "")] = round(graphed_us(step, 5), 1)
+        if args.baseline:
+            a, b = (kernel.paged_attention(q, *caches[0], batch, DIM**-0.5).float() for kernel in kernels.values())
+            row["max_abs_difference"] = float((a - b).abs().max())
+            row["identical"] = bool(torch.equal(a, b))
+        results[name] = row
+        print(f"{name:52s} {row}", flush=True)
+        del caches
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "cases": results}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
