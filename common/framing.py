@@ -11,13 +11,12 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
-import json
 import os
 import socket
 import struct
 from typing import Any
 
-import pydantic_core
+from common import json_codec
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a 70B manifest is well under 1 MB
 MAX_FDS = 16
@@ -29,12 +28,8 @@ class ProtocolError(Exception):
 
 
 def encode(message: dict[str, Any]) -> bytes:
-    """The JSON body of a message (compact): pydantic_core's encoder (a 2,000-token prompt's ids in a quarter of
-    json's time), json's for the one thing it refuses, a string with a lone surrogate (json escapes it)."""
-    try:
-        return pydantic_core.to_json(message)
-    except pydantic_core.PydanticSerializationError:
-        return json.dumps(message, separators=(",", ":")).encode()
+    """The JSON body of a message (compact)."""
+    return json_codec.dumps(message)
 
 
 def frame(body: bytes) -> bytes:
@@ -45,12 +40,9 @@ def frame(body: bytes) -> bytes:
 def decode(body: bytes) -> dict[str, Any]:
     """A message from its body; ProtocolError unless it is a JSON object."""
     try:
-        message = pydantic_core.from_json(body)  # json.loads's values (NaN and Infinity too), in half its time
-    except ValueError:
-        try:  # what it refuses and json reads: a lone surrogate's escape (a path that is not UTF-8), deep nesting
-            message = json.loads(body)
-        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-            raise ProtocolError(f"message is not JSON: {exc}") from None
+        message = json_codec.loads(body)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise ProtocolError(f"message is not JSON: {exc}") from None
     if not isinstance(message, dict):
         raise ProtocolError("message is not a JSON object")
     return message

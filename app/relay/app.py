@@ -10,7 +10,6 @@ is a bare ASGI callable (``RelayedResponse``): it runs the relay with uvicorn's 
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import secrets
 from typing import Any
@@ -28,6 +27,7 @@ from app.relay.openapi import document_bodies
 from app.relay.relay import Relay, ResponseSink
 from app.relay.table import TableView
 from app.relay.upstream import EngineUnreachable, StreamCut, request_head
+from common import json_codec
 from common.disconnect import cancelled_on_disconnect
 from common.heartbeat import Heartbeat, beside
 from engine.protocol import ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse
@@ -114,7 +114,7 @@ async def _read_object(receive: Receive, declared: bytes, limit: int) -> dict[st
         if not message.get("more_body"):
             break
     try:
-        payload = json.loads(body) if body else {}
+        payload = json_codec.loads(body) if body else {}
     except (ValueError, RecursionError) as exc:
         return 400, f"invalid JSON body: {'nested too deeply' if isinstance(exc, RecursionError) else exc}"
     if not isinstance(payload, dict):

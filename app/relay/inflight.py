@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from common import json_codec
 from engine.internal_stream import COMMENT_BYTES, DONE_BYTES, DONE_EVENT, split
 from engine.protocol import (
     ChatCompletionChunk,
@@ -111,7 +112,7 @@ class InFlight:
                                                chars=self.progress(i).chars, finished=i in self._finished)
                                   for i in range(self.choices)]  # fmt: skip
             payload["warmgate_resume"] = resume.model_dump(exclude_none=True)
-        return json.dumps(payload).encode()
+        return json_codec.dumps(payload)
 
     def take(self, events: list[bytes]) -> bytes:
         """Complete SSE events from the engine (without their blank line): what the client gets of them.
