@@ -260,7 +260,7 @@ def main() -> None:
     parser.add_argument("--shared-prefix", type=int, default=0,
                         help="--burst: token ids every prompt starts with (before its own --prompt-len)")
     parser.add_argument("--profile", choices=("engine", "loop"), help="profile this thread")
-    parser.add_argument("--fronts", type=int, default=2,
+    parser.add_argument("--fronts", type=int, default=1,
                         help="the engine's front processes (front_processes; 0: its HTTP API in the worker's process)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)

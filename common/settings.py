@@ -85,7 +85,7 @@ class EngineSettings(BaseModel):
             description="native: processes that serve the engine API (parsing, text, SSE) apart from the process that "
             "steps the engine, sharing its socket (engine/front.py); 0: one process serves and steps",
         ),
-    ] = 2
+    ] = 1  # two or four did not change the cached prefix wave or decode on the H200 (docs/benchmarks.md, 2026-12-04)
     default_max_tokens: Annotated[
         int, Field(ge=1, description="max_tokens of a request that sets none (less if the context is shorter)")
     ] = 256
