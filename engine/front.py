@@ -391,7 +391,7 @@ class EngineLink:
             self._send_locked(message)
 
     def _send_locked(self, message: object) -> None:
-        with contextlib.suppress(OSError):  # the front is gone: serve() sees the link close and the worker stops
+        with contextlib.suppress(OSError):  # the front is gone: serve_links sees its link close
             send_message(self.sock, encode(message))
 
 

@@ -154,7 +154,6 @@ class FrontBoard:
     front's requests."""
 
     def __init__(self, fronts: int) -> None:
-        self.fronts = fronts
         self.index = 0  # this process's slot: each front sets its own after the fork
         self._slots = memoryview(mmap.mmap(-1, 8 * (fronts + 1))).cast("q")  # MAP_SHARED: forks share it
 
