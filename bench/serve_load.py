@@ -737,6 +737,14 @@ def is_kill(restart: dict[str, Any]) -> bool:
 # -- the run -----------------------------------------------------------------------------------------------------
 
 
+def ttft_by_round(concurrency: int, recs: list[dict[str, Any]]) -> list[float | None]:
+    """TTFT p50 (ms) of each ``concurrency`` requests in the order they were sent: with the streams started together
+    the first is a true wave; later ones drift apart as the streams do (a level's p50 mixes them)."""
+    ordered = sorted(recs, key=lambda r: r["start"])
+    rounds = [ordered[i : i + concurrency] for i in range(0, len(ordered), concurrency)]
+    return [ms_stats([r["ttft"] for r in chunk])["p50_ms"] for chunk in rounds]
+
+
 def level_stats(concurrency: int, recs: list[dict[str, Any]]) -> dict[str, Any]:
     ok = [r for r in recs if r["ok"]]
     wall = max(r["end"] for r in recs) - min(r["start"] for r in recs) if recs else 0.0
@@ -746,7 +754,8 @@ def level_stats(concurrency: int, recs: list[dict[str, Any]]) -> dict[str, Any]:
         "concurrency": concurrency, "requests": len(recs), "errors": len(recs) - len(ok), "wall_s": wall,
         "output_tokens": tokens, "ok_output_tokens": sum(r["output_tokens"] for r in ok),
         "output_tok_s": tokens / wall if wall else 0.0, "request_s": len(recs) / wall if wall else 0.0,
-        "ttft": ms_stats([r["ttft"] for r in ok]), "tpot": ms_stats([r["tpot"] for r in ok if "tpot" in r]),
+        "ttft": ms_stats([r["ttft"] for r in ok]), "ttft_by_round": ttft_by_round(concurrency, ok),
+        "tpot": ms_stats([r["tpot"] for r in ok if "tpot" in r]),
         "itl": ms_stats([g for r in ok for g in r["itl"]]), "latency": ms_stats([r["latency"] for r in ok]),
         "mean_prompt_len": statistics.fmean(r["prompt_len"] for r in recs) if recs else None,
         "error_kinds": dict(errors.most_common(8)),
@@ -1067,6 +1076,10 @@ def markdown(result: dict[str, Any]) -> str:
                      f"{s['errors']} | {s['output_tok_s']:,.0f} | {fmt(s['ttft']['p50_ms'])} | "
                      f"{fmt(s['ttft']['p99_ms'])} | {fmt(s['tpot']['p50_ms'], '.2f')} | "
                      f"{fmt(s['tpot']['p99_ms'], '.2f')} | {fmt(s['crash_restarts'], 'd')} | {hung} |")  # fmt: skip
+    for s in result["levels"]:
+        if len(rounds := s.get("ttft_by_round") or []) > 1:
+            lines.append(f"\n{s['target']} {s['concurrency']} {s.get('variant', 'plain')}: TTFT p50 by round of "
+                         f"{s['concurrency']} requests in sending order: {', '.join(fmt(r) for r in rounds)}")
     lines.append("\n(TTFT and TPOT in ms; failed: no `[DONE]`, an error event, or usage.completion_tokens != "
                  f"{a['output_len']}; crash restarts: /admin/status restarts with reason crash during the level, "
                  "warm-up included; engine_hung: `event=engine_hung` log lines)\n")  # fmt: skip
