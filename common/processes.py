@@ -124,28 +124,27 @@ def gateway_processes(run_dir: Path) -> list[TitledProcess]:
     return found
 
 
-def private_memory() -> int:
-    """RssAnon of this process, in bytes (0 where /proc does not say)."""
+def _kilobytes(path: str, field: str) -> int:
+    """A ``field:  N kB`` line of a /proc file, in bytes (0 where it does not say)."""
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("RssAnon:"):
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(field):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
     return 0
+
+
+def private_memory() -> int:
+    """RssAnon of this process, in bytes (0 where /proc does not say)."""
+    return _kilobytes("/proc/self/status", "RssAnon:")
 
 
 def unshared_memory(pid: int) -> int:
     """Private_Dirty of ``pid`` in bytes (0 where /proc does not say): the pages it wrote that no other process maps.
     A forked child's RssAnon also counts the pages it still shares with its parent (an engine's front processes:
     ~200 MiB each against ~80 written on their own)."""
-    try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Private_Dirty:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return _kilobytes(f"/proc/{pid}/smaps_rollup", "Private_Dirty:")
 
 
 PR_SET_PDEATHSIG = 1

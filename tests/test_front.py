@@ -121,8 +121,11 @@ def test_a_drain_asked_of_one_front_is_the_engines(model: Path, tmp_path: Path) 
         await asyncio.wait_for(started.wait(), 60)
         in_flight = (await clients[streams].get("/health")).json()["in_flight"]
         draining = asyncio.create_task(clients[streams].post("/drain", json={"timeout": 60}))
+        deadline = time.monotonic() + 30
         while (await clients[streams].get("/health")).json()["status"] != "draining":
             assert not draining.done(), draining.result().text
+            assert time.monotonic() < deadline, "no front reported the drain"
+            await asyncio.sleep(0.01)
         refused = []
         for _ in range(4):  # new connections, to whichever front takes them
             async with worker.client() as fresh:
