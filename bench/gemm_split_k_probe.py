@@ -119,7 +119,7 @@ def launch(x: Quantized, w: torch.Tensor, s: torch.Tensor, block_n: int = 64, sp
            scale: bool = True, reduce: int = 1, xfixed: bool = False, dot: bool = True, cstride: int = 1,
            rows: int = 16, sum_warps: int = 4, live_rows: bool = False) -> torch.Tensor:  # fmt: skip
     """One probe GEMM with the pre-2026-12-03 launch rule for whatever is left as None."""
-    xq, xs, dtype = x
+    xq, xs, dtype, _ = x
     m, kp = xq.shape
     np_ = w.shape[0]
     block_m = min(64, max(16, triton.next_power_of_2(m)))
@@ -166,7 +166,7 @@ def main() -> None:
                    torch.rand(n // 128, k // 128, device="cuda") + 0.5) for _ in range(count)]  # fmt: skip
         for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            xq = Quantized(*quantize_groups(x, m), x.dtype)
+            xq = Quantized(*quantize_groups(x, m), x.dtype, m)
             ref = fp8_block_gemm(xq, *copies[0]).float()
             for label in args.variants.split(","):
                 kw = VARIANTS[label]

@@ -234,11 +234,36 @@ def test_fused_silu_mul_and_strided_rope() -> None:
 
 
 def test_norm_and_activation_quantized_for_the_gemm_equal_quantize_groups_bit_for_bit() -> None:
-    """What the decode graphs run (engine/native/fused_ops.py, quantize=True) against quantize_groups of the same
+    """What the steps run (engine/native/fused_ops.py, quantize_rows) against quantize_groups of the same
     kernels' unquantized output: the same fp8 codes and scales, so the GEMM's output is the same as without fusion."""
     from quantize_cases import check_quantized_for_gemm
 
-    check_quantized_for_gemm(torch.device("cuda"), [(1, 4096, 14336), (7, 4096, 14336), (64, 4096, 14336)], None)
+    check_quantized_for_gemm(torch.device("cuda"), [(1, 1, 4096, 14336), (7, 7, 4096, 14336), (64, 64, 4096, 14336),
+                                                    (1001, 1004, 4096, 14336)], None)  # fmt: skip
+
+
+@pytest.mark.parametrize(("n", "k"), [(4096, 14336), (1024, 2048), (640, 1536)])
+def test_block_fp8_layer_gives_the_same_output_from_activations_the_activation_kernel_quantized(n: int, k: int) -> None:
+    """engine/native/kernels.py's quantized_rows at every size the model asks: the Triton GEMM's rows as they are,
+    cuBLAS' padded to a multiple of 4 (1,001 -> 1,004), and for weights whose scale blocks cuBLAS refuses (640
+    columns: 5 blocks) the Triton GEMM's at any size; SiLU-and-multiply quantizing for the layer gives the layer's
+    output bit for bit as from its unquantized output."""
+    from engine.native.fused_ops import silu_mul
+    from engine.native.kernels import fp8_block_scaled_mm, quantized_rows
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(n + k)
+    w = (torch.randn(n, k, device=dev, generator=gen) * 0.02).to(torch.bfloat16)
+    q, s = quantize_weight(w, WeightKind.FP8_BLOCK)
+    tensors, recipe = process_linear(BLOCK, FP8_BLOCK_SCALED_MM, {"weight": q, "weight_scale": s}, torch.bfloat16, dev)
+    for m in (1, 64, 65, 301, 1001, 2048):
+        rows = quantized_rows(recipe, m)
+        assert rows == (m + -m % 4 if m > 64 and n % 512 == 0 else m)
+        gate_up = torch.randn(m, 2 * k, device=dev, generator=gen).to(torch.bfloat16) * 3
+        gate, up = gate_up[:, :k], gate_up[:, k:]
+        got = fp8_block_scaled_mm(silu_mul(gate, up, quantize_rows=rows), tensors, recipe)  # type: ignore[arg-type]
+        want = fp8_block_scaled_mm(silu_mul(gate, up), tensors, recipe)  # type: ignore[arg-type]
+        assert got.shape == want.shape == (m, n) and torch.equal(got, want), m
 
 
 @pytest.mark.parametrize("kind", [WeightKind.FP8_CHANNEL, WeightKind.FP8_TENSOR])

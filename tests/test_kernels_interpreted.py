@@ -34,17 +34,19 @@ def test_paged_attention_kernel_matches_reference(heads: int, kv_heads: int, dim
     """)
 
 
-def test_rope_kv_write_writes_each_token_to_its_slot() -> None:
-    _interpreted("""
+@pytest.mark.parametrize("t", [21, 75])
+def test_rope_kv_write_writes_each_token_to_its_slot(t: int) -> None:
+    """A program a token at decode sizes; past them 32 tokens a program, the last block partly empty."""
+    _interpreted(f"""
         import torch
         from engine.native.fused_ops import rope_kv_write
         from engine.native.model import apply_rope
-        heads, kv_heads, dim, t = 4, 2, 32, 21
+        heads, kv_heads, dim, t = 4, 2, 32, {t}
         gen = torch.Generator().manual_seed(0)
         qkv = torch.randn(t, (heads + 2 * kv_heads) * dim, generator=gen)
         angles = torch.rand(t, dim // 2, generator=gen) * 6
-        k_cache, v_cache = torch.zeros(64, kv_heads, dim), torch.zeros(64, kv_heads, dim)
-        slots = torch.randperm(64, generator=gen)[:t]
+        k_cache, v_cache = torch.zeros(128, kv_heads, dim), torch.zeros(128, kv_heads, dim)
+        slots = torch.randperm(128, generator=gen)[:t]
         cos, sin = angles.cos(), angles.sin()
         q = rope_kv_write(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads)
         torch.testing.assert_close(q, apply_rope(qkv[:, : heads * dim].view(t, heads, dim), cos, sin))
@@ -103,11 +105,13 @@ def test_norm_and_activation_quantize_for_the_gemm_as_quantize_groups_does() -> 
     """engine/native/fused_ops.py: RMSNorm (with the residual added) and SiLU-and-multiply hand a block-FP8 GEMM its
     operands quantized: the same fp8 codes and scales as quantize_groups of their unquantized output, the same
     residual stream, and the GEMM's output the same as from the unquantized activations. Widths past one kernel
-    block (the activation's 1,024 columns) and not a power of two."""
+    block (the activation's 1,024 columns) and not a power of two; rows padded with zeros, as cuBLAS' GEMM takes
+    them."""
     _interpreted("""
         import torch
         from quantize_cases import check_quantized_for_gemm
-        check_quantized_for_gemm(torch.device("cpu"), [(1, 256, 256), (5, 384, 384), (3, 1152, 1152)], split_k=1)
+        check_quantized_for_gemm(torch.device("cpu"), [(1, 1, 256, 256), (5, 5, 384, 384), (3, 3, 1152, 1152),
+                                                       (5, 8, 384, 1152)], split_k=1)
     """)
 
 

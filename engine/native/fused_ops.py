@@ -5,9 +5,11 @@ on each RMSNorm or rotary call. These do each in one. The torch versions in
 engine/native/model.py stay the reference and the CPU path.
 
 The norm and SiLU-and-multiply kernels can also hand their output to a block-FP8 GEMM already
-quantized (``quantize=True``: fp8 and the scales of each token's groups of 128, as
+quantized (``quantize_rows``: fp8 and the scales of each token's groups of 128, as
 engine/native/triton_fp8.py's quantize_groups makes them, from the same bf16 values, so the
-GEMM's operands are bit for bit the same): one launch fewer per GEMM at decode sizes.
+GEMM's operands are bit for bit the same): one launch fewer per GEMM, and for a prefill's
+thousands of rows one pass over the activations fewer (cuBLAS' GEMM takes them padded to
+rows in multiples of 4: the padding rows are zeros, as quantize_groups makes them).
 """
 
 from __future__ import annotations
@@ -25,21 +27,23 @@ GROUP = FP8_BLOCK  # activations are quantized in groups of a weight block's col
 
 
 class Quantized(NamedTuple):
-    """Activations [M, K] quantized per token and group of 128: fp8 q [M, K] and fp32 scales [M, K/128] with
-    strides (1, M), as quantize_groups(x, M) returns them (engine/native/triton_fp8.py); ``dtype``: that of the
-    values quantized, the GEMM's output's."""
+    """Activations [M, K] quantized per token and group of 128: fp8 q [R, K] and fp32 scales [R, K/128] with
+    strides (1, R), as quantize_groups(x, R) returns them (engine/native/triton_fp8.py), R >= M (the rows past M
+    zeros: cuBLAS' blockwise GEMM takes rows in multiples of 4); ``dtype``: that of the values quantized, the GEMM's
+    output's; ``rows``: M."""
 
     q: torch.Tensor
     scale: torch.Tensor
     dtype: torch.dtype
+    rows: int
 
 
-def quantized_like(x: torch.Tensor) -> Quantized:
-    """Room for ``x`` [M, K] quantized."""
-    rows, cols = x.shape
+def quantized_like(x: torch.Tensor, rows: int) -> Quantized:
+    """Room for ``x`` [M, K] quantized, in ``rows`` >= M rows."""
+    cols = x.shape[1]
     q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(cols // GROUP * rows, dtype=torch.float32, device=x.device)
-    return Quantized(q, scale.as_strided((rows, cols // GROUP), (1, rows)), x.dtype)
+    return Quantized(q, scale.as_strided((rows, cols // GROUP), (1, rows)), x.dtype, x.shape[0])
 
 
 @triton.jit
@@ -85,14 +89,14 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-@triton.jit
-def _add_rms_norm(x_ptr, r_ptr, w_ptr, out_ptr, s_ptr, n_cols, eps, HAS_RESIDUAL: tl.constexpr,
+@triton.jit(do_not_specialize=["m"])
+def _add_rms_norm(x_ptr, r_ptr, w_ptr, out_ptr, s_ptr, n_cols, m, eps, HAS_RESIDUAL: tl.constexpr,
                   QUANTIZE: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, FP8_MAX: tl.constexpr,
                   USE_PDL: tl.constexpr):  # fmt: skip
     pdl_enter(USE_PDL)
-    row = tl.program_id(0)
+    row = tl.program_id(0)  # rows past m (quantized output's padding) read and write zeros
     cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
+    mask = cols < tl.where(row < m, n_cols, 0)
     x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         x = x + tl.load(r_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
@@ -110,15 +114,15 @@ def _add_rms_norm(x_ptr, r_ptr, w_ptr, out_ptr, s_ptr, n_cols, eps, HAS_RESIDUAL
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                 quantize: bool = False) -> torch.Tensor | Quantized:  # fmt: skip
+                 quantize_rows: int = 0) -> torch.Tensor | Quantized:  # fmt: skip
     """If ``residual`` is given, ``x += residual`` in place; returns rms_norm(x) * weight. x is [rows, cols].
-    ``quantize``: returned quantized for a block-FP8 GEMM (cols a multiple of 128)."""
+    ``quantize_rows`` (>= rows): returned quantized for a block-FP8 GEMM in that many rows (cols a multiple of 128)."""
     rows, cols = x.shape
-    out = quantized_like(x) if quantize else torch.empty_like(x)
-    dest, scales = out[:2] if quantize else (out, out)  # unquantized: no scales are written
-    _add_rms_norm[(rows,)](
-        x, residual if residual is not None else x, weight, dest, scales, cols, eps,
-        HAS_RESIDUAL=residual is not None, QUANTIZE=quantize, BLOCK=triton.next_power_of_2(cols), GROUP=GROUP,
+    out = quantized_like(x, quantize_rows) if quantize_rows else torch.empty_like(x)
+    dest, scales = out[:2] if quantize_rows else (out, out)  # unquantized: no scales are written
+    _add_rms_norm[(quantize_rows or rows,)](
+        x, residual if residual is not None else x, weight, dest, scales, cols, rows, eps,
+        HAS_RESIDUAL=residual is not None, QUANTIZE=quantize_rows > 0, BLOCK=triton.next_power_of_2(cols), GROUP=GROUP,
         FP8_MAX=FP8_MAX, num_warps=4, USE_PDL=(pdl := pdl_enabled(x.device) and rows <= SMALL_ROWS), launch_pdl=pdl,
     )  # fmt: skip
     return out
@@ -152,14 +156,14 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@triton.jit
-def _silu_mul(g_ptr, u_ptr, out_ptr, s_ptr, n_cols, stride_g, stride_u, QUANTIZE: tl.constexpr, BLOCK: tl.constexpr,
-              GROUP: tl.constexpr, FP8_MAX: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+@triton.jit(do_not_specialize=["m"])
+def _silu_mul(g_ptr, u_ptr, out_ptr, s_ptr, n_cols, m, stride_g, stride_u, QUANTIZE: tl.constexpr,
+              BLOCK: tl.constexpr, GROUP: tl.constexpr, FP8_MAX: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
     pdl_enter(USE_PDL)
-    row = tl.program_id(0)
+    row = tl.program_id(0)  # rows past m (quantized output's padding) read and write zeros
     first = tl.program_id(1) * BLOCK
     cols = first + tl.arange(0, BLOCK)
-    mask = cols < n_cols
+    mask = cols < tl.where(row < m, n_cols, 0)
     g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
     y = (g / (1.0 + tl.exp(-g))).to(g_ptr.dtype.element_ty).to(tl.float32) * u  # silu rounds like torch's
@@ -170,60 +174,64 @@ def _silu_mul(g_ptr, u_ptr, out_ptr, s_ptr, n_cols, stride_g, stride_u, QUANTIZE
         tl.store(out_ptr + row * n_cols + cols, y, mask=mask)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor, quantize: bool = False) -> torch.Tensor | Quantized:
-    """silu(gate) * up for [T, I] views (rows may be slices of one merged gate/up output). ``quantize``: returned
-    quantized for a block-FP8 GEMM (I a multiple of 128)."""
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, quantize_rows: int = 0) -> torch.Tensor | Quantized:
+    """silu(gate) * up for [T, I] views (rows may be slices of one merged gate/up output). ``quantize_rows``
+    (>= T): returned quantized for a block-FP8 GEMM in that many rows (I a multiple of 128)."""
     rows, cols = gate.shape
-    out = quantized_like(gate) if quantize else torch.empty(rows, cols, dtype=gate.dtype, device=gate.device)
-    dest, scales = out[:2] if quantize else (out, out)  # unquantized: no scales are written
+    out = quantized_like(gate, quantize_rows) if quantize_rows else gate.new_empty(rows, cols)
+    dest, scales = out[:2] if quantize_rows else (out, out)  # unquantized: no scales are written
     block = 1024
     pdl = pdl_enabled(gate.device) and rows <= SMALL_ROWS
-    _silu_mul[(rows, triton.cdiv(cols, block))](
-        gate, up, dest, scales, cols, gate.stride(0), up.stride(0), QUANTIZE=quantize, BLOCK=block, GROUP=GROUP,
-        FP8_MAX=FP8_MAX, USE_PDL=pdl, launch_pdl=pdl,
+    _silu_mul[(quantize_rows or rows, triton.cdiv(cols, block))](
+        gate, up, dest, scales, cols, rows, gate.stride(0), up.stride(0), QUANTIZE=quantize_rows > 0, BLOCK=block,
+        GROUP=GROUP, FP8_MAX=FP8_MAX, USE_PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip
     return out
 
 
-@triton.jit
-def _rope_kv_write(qkv_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, slot_ptr, stride_t, stride_slot, stride_head,
-                   HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-                   USE_PDL: tl.constexpr):  # fmt: skip
+@triton.jit(do_not_specialize=["tokens"])
+def _rope_kv_write(qkv_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, slot_ptr, tokens, stride_t, stride_slot,
+                   stride_head, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+                   BLOCK_T: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
     pdl_enter(USE_PDL)
-    t = tl.program_id(0)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1)  # 0..HEADS-1: a query head; HEADS..HEADS+KV_HEADS-1: a key/value head
     offs = tl.arange(0, HALF)
-    src = qkv_ptr + t * stride_t + h * 2 * HALF
-    x1 = tl.load(src + offs).to(tl.float32)
-    x2 = tl.load(src + HALF + offs).to(tl.float32)
-    c = tl.load(cos_ptr + t * HALF + offs)
-    s = tl.load(sin_ptr + t * HALF + offs)
+    live = (t < tokens)[:, None]
+    src = qkv_ptr + t[:, None] * stride_t + h * 2 * HALF + offs[None, :]
+    x1 = tl.load(src, mask=live).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=live).to(tl.float32)
+    c = tl.load(cos_ptr + t[:, None] * HALF + offs[None, :], mask=live)
+    s = tl.load(sin_ptr + t[:, None] * HALF + offs[None, :], mask=live)
     r1 = x1 * c - x2 * s
     r2 = x2 * c + x1 * s
     if h < HEADS:
-        dst = q_ptr + (t * HEADS + h) * 2 * HALF
+        dst = q_ptr + (t[:, None] * HEADS + h) * 2 * HALF + offs[None, :]
     else:
         kv = h - HEADS
-        cache = tl.load(slot_ptr + t).to(tl.int64) * stride_slot + kv * stride_head
-        dst = kc_ptr + cache
-        v_src = qkv_ptr + t * stride_t + (HEADS + KV_HEADS + kv) * 2 * HALF
-        tl.store(vc_ptr + cache + offs, tl.load(v_src + offs))
-        tl.store(vc_ptr + cache + HALF + offs, tl.load(v_src + HALF + offs))
-    tl.store(dst + offs, r1.to(q_ptr.dtype.element_ty))
-    tl.store(dst + HALF + offs, r2.to(q_ptr.dtype.element_ty))
+        cache = tl.load(slot_ptr + t, mask=t < tokens).to(tl.int64)[:, None] * stride_slot + kv * stride_head
+        dst = kc_ptr + cache + offs[None, :]
+        v_src = qkv_ptr + t[:, None] * stride_t + (HEADS + KV_HEADS + kv) * 2 * HALF + offs[None, :]
+        tl.store(vc_ptr + cache + offs[None, :], tl.load(v_src, mask=live), mask=live)
+        tl.store(vc_ptr + cache + HALF + offs[None, :], tl.load(v_src + HALF, mask=live), mask=live)
+    tl.store(dst, r1.to(q_ptr.dtype.element_ty), mask=live)
+    tl.store(dst + HALF, r2.to(q_ptr.dtype.element_ty), mask=live)
 
 
 def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, slots: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:  # fmt: skip
     """Attention's input side in one launch: from the merged projection qkv [T, (H + 2*KV) * D],
     rotate q and k (rotate-half), write k and v of token t into cache slot slots[t] of one layer's
-    cache [slots, KV, D], and return the rotated queries [T, H, D]. D must be a power of two."""
+    cache [slots, KV, D], and return the rotated queries [T, H, D]. D must be a power of two.
+    A program takes one head of one token at decode sizes and of 32 tokens past them (a 2,048-token
+    prefill of llama3-8b made 81,920 one-token programs a layer, each moving ~0.5 KB)."""
     t = qkv.shape[0]
     dim = k_cache.shape[-1]
     q = torch.empty(t, heads, dim, dtype=qkv.dtype, device=qkv.device)
-    _rope_kv_write[(t, heads + kv_heads)](
-        qkv, cos, sin, q, k_cache, v_cache, slots, qkv.stride(0), k_cache.stride(0), k_cache.stride(1),
-        HEADS=heads, KV_HEADS=kv_heads, HALF=dim // 2, num_warps=1,
+    block_t = 1 if t <= SMALL_ROWS else 32
+    _rope_kv_write[(triton.cdiv(t, block_t), heads + kv_heads)](
+        qkv, cos, sin, q, k_cache, v_cache, slots, t, qkv.stride(0), k_cache.stride(0), k_cache.stride(1),
+        HEADS=heads, KV_HEADS=kv_heads, HALF=dim // 2, BLOCK_T=block_t, num_warps=1 if block_t == 1 else 4,
         USE_PDL=(pdl := pdl_enabled(qkv.device) and t <= SMALL_ROWS), launch_pdl=pdl,
     )  # fmt: skip
     return q

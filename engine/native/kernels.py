@@ -71,41 +71,49 @@ SMALL_M = int(os.environ.get("WARMGATE_FP8_SMALL_M", "64"))
 CUBLAS_BLOCKWISE_ROWS = 4
 
 
+def _cublas_blockwise(r: LinearRecipe) -> bool:
+    """cuBLAS' blockwise scaled_mm takes this layer's weights: its scale dimensions in multiples of 4 blocks."""
+    return (r.padded_out // FP8_BLOCK) % 4 == 0 and (r.padded_in // FP8_BLOCK) % 4 == 0
+
+
 def fp8_block_scaled_mm(x: torch.Tensor, t: Tensors, r: LinearRecipe) -> torch.Tensor:
     """Hopper+: activations quantized per token and group of 128, weights in 128x128 blocks.
 
     cuBLAS' blockwise scaled_mm for large M when its layout rules hold (rows padded to
     CUBLAS_BLOCKWISE_ROWS, scale dimensions in multiples of 4 blocks); the Triton kernel, with
-    the same numerics, otherwise.
+    the same numerics, otherwise. ``x`` may come quantized (quantized_rows).
     """
     from torch.nn.functional import ScalingType, scaled_mm
 
     from engine.native.fused_ops import Quantized
+    from engine.native.triton_fp8 import fp8_block_gemm, quantize_groups
 
-    if isinstance(x, Quantized):  # quantized by the kernel that made it (takes_quantized): rows <= SMALL_M
-        from engine.native.triton_fp8 import fp8_block_gemm
-
-        return _finish(fp8_block_gemm(x, t["weight"], t["weight_scale"]), t, r)
-    m = x.shape[0]
-    xp = _pad_k(x, r)
-    nb, kb = t["weight_scale"].shape
-    if m <= SMALL_M or nb % 4 or kb % 4:
-        from engine.native.triton_fp8 import fp8_block_gemm
-
-        return _finish(fp8_block_gemm(xp.contiguous(), t["weight"], t["weight_scale"]), t, r)
-    from engine.native.triton_fp8 import quantize_groups
-
-    pad = -m % CUBLAS_BLOCKWISE_ROWS
-    xq, xs = quantize_groups(xp, m + pad)  # as quantize_per_token_group, in one kernel
+    quantized = x if isinstance(x, Quantized) else None
+    m = quantized.rows if quantized else x.shape[0]
+    if m <= SMALL_M or not _cublas_blockwise(r):
+        operand = quantized or _pad_k(x, r).contiguous()
+        return _finish(fp8_block_gemm(operand, t["weight"], t["weight_scale"]), t, r)
+    if quantized:
+        xq, xs, dtype = quantized.q, quantized.scale, quantized.dtype
+    else:
+        xq, xs = quantize_groups(_pad_k(x, r), _cublas_rows(m))  # as quantize_per_token_group, in one kernel
+        dtype = x.dtype
     y = scaled_mm(xq, t["weight"].t(), xs, ScalingType.BlockWise1x128, t["weight_scale"].t(),
-                  ScalingType.BlockWise128x128, output_dtype=x.dtype)  # fmt: skip
-    return _finish(y[:m] if pad else y, t, r)
+                  ScalingType.BlockWise128x128, output_dtype=dtype)  # fmt: skip
+    return _finish(y[:m] if y.shape[0] != m else y, t, r)
 
 
-def takes_quantized(recipe: LinearRecipe, rows: int) -> bool:
-    """Whether this layer's kernel takes its ``rows`` of activations already quantized (engine/native/fused_ops.py's
-    Quantized, made by the kernel before it): the Triton block-FP8 GEMM's rows, with no padding of K."""
-    return recipe.kernel == FP8_BLOCK_SCALED_MM and rows <= SMALL_M and recipe.padded_in == recipe.in_features
+def _cublas_rows(m: int) -> int:
+    return m + -m % CUBLAS_BLOCKWISE_ROWS
+
+
+def quantized_rows(recipe: LinearRecipe, rows: int) -> int:
+    """The rows in which this layer's kernel takes ``rows`` of activations already quantized (engine/native/
+    fused_ops.py's Quantized, made by the norm or activation kernel before it), or 0 where it does not: block FP8
+    with no padding of K, its cuBLAS GEMM's rows padded to CUBLAS_BLOCKWISE_ROWS, the Triton GEMM's as they are."""
+    if recipe.kernel != FP8_BLOCK_SCALED_MM or recipe.padded_in != recipe.in_features:
+        return 0
+    return _cublas_rows(rows) if rows > SMALL_M and _cublas_blockwise(recipe) else rows
 
 
 def fp8_rowwise_scaled_mm(x: torch.Tensor, t: Tensors, r: LinearRecipe) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from cache.checkpoint.architecture import ModelShape
 from cache.processors.native import LinearRecipe, ProcessedWeights
 from engine.native.attention import StepBatch, paged_attention
-from engine.native.kernels import Kernel, kernel_for, takes_quantized
+from engine.native.kernels import Kernel, kernel_for, quantized_rows
 from engine.native.kv_cache import KVCache
 
 
@@ -76,9 +76,10 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel(x, self.tensors, self.recipe)
 
-    def takes_quantized(self, rows: int) -> bool:
-        """Its input may come quantized (engine/native/fused_ops.py: the norm or activation before it does it)."""
-        return takes_quantized(self.recipe, rows)
+    def quantized_rows(self, rows: int) -> int:
+        """The rows in which its input may come quantized (engine/native/fused_ops.py: the norm or activation
+        before it does it), or 0 (engine/native/kernels.py's quantized_rows)."""
+        return quantized_rows(self.recipe, rows)
 
 
 class Projections:
@@ -95,8 +96,9 @@ class Projections:
             return cls(make(merged), [], names)
         return cls(None, [make(n) for n in names], names)
 
-    def takes_quantized(self, rows: int) -> bool:
-        return all(linear.takes_quantized(rows) for linear in ([self.merged] if self.merged else self.separate))
+    def quantized_rows(self, rows: int) -> int:
+        wanted = {linear.quantized_rows(rows) for linear in ([self.merged] if self.merged else self.separate)}
+        return wanted.pop() if len(wanted) == 1 else 0
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         if self.merged is not None:
@@ -183,8 +185,8 @@ class Transformer:
         if self.fused:
             from engine.native.fused_ops import add_rms_norm
 
-            quantize = into is not None and into.takes_quantized(x.shape[0])
-            return add_rms_norm(x, delta, weight, self.args.rms_norm_eps, quantize)  # type: ignore[return-value]
+            rows = into.quantized_rows(x.shape[0]) if into is not None else 0
+            return add_rms_norm(x, delta, weight, self.args.rms_norm_eps, rows)  # type: ignore[return-value]
         if delta is not None:
             x.add_(delta)
         return rms_norm(x, weight, self.args.rms_norm_eps)
@@ -212,7 +214,7 @@ class Transformer:
         if self.fused:
             from engine.native.fused_ops import silu_mul
 
-            return layer.down(silu_mul(gate, up, layer.down.takes_quantized(gate.shape[0])))  # type: ignore[arg-type]
+            return layer.down(silu_mul(gate, up, layer.down.quantized_rows(gate.shape[0])))  # type: ignore[arg-type]
         return layer.down(F.silu(gate) * up)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

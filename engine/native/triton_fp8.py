@@ -111,7 +111,7 @@ def fp8_block_gemm(x: torch.Tensor | Quantized, w: torch.Tensor, s: torch.Tensor
                    swap_ab: bool = True, tma: bool | None = None) -> torch.Tensor:  # fmt: skip
     """x [M, Kp] bf16 (or already quantized: engine/native/fused_ops.py), w [Np, Kp] fp8, s [>=Np/128, >=Kp/128]
     fp32 -> [M, Np] in x's dtype. Launch choices left as None follow the rule below."""
-    xq, xs, dtype = x if isinstance(x, Quantized) else (*quantize_groups(x, x.shape[0]), x.dtype)
+    xq, xs, dtype = x[:3] if isinstance(x, Quantized) else (*quantize_groups(x, x.shape[0]), x.dtype)
     m, kp = xq.shape
     np_ = w.shape[0]
     block_m = min(64, max(16, triton.next_power_of_2(m)))
