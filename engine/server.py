@@ -370,10 +370,16 @@ class EngineAPI:
         """End an admitted request: cancel what is unfinished, log it."""
         for choice in answer.choices:
             choice.close()
+        received = answer.received or answer.began
+        first = "-" if answer.first_sent is None else f"{1e3 * (answer.first_sent - received):.1f}"
+        # admit_ms: receipt to admission (body, parsing, prompt, grammar); ttft_ms: receipt to the stream's first event
+        # written (streams only): what the relays and clients add is the rest of their TTFT.
         log.info(
-            "event=request id=%s choices=%d prompt_tokens=%d completion_tokens=%d seconds=%.3f",
+            "event=request id=%s choices=%d prompt_tokens=%d completion_tokens=%d seconds=%.3f admit_ms=%.1f "
+            "ttft_ms=%s",
             answer.request_id, answer.count, sum(len(p) for p in answer.prompts),
             sum(c.completion_tokens for c in answer.choices), time.monotonic() - answer.began,
+            1e3 * (answer.began - received), first,
         )  # fmt: skip
 
     async def stream(self, answer: Answer, events: AsyncIterator[str], receive: Receive, send: Send) -> None:
@@ -386,6 +392,8 @@ class EngineAPI:
             await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
             async for event in events:
                 await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
+                if answer.first_sent is None:
+                    answer.first_sent = time.monotonic()
             sent = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
@@ -573,6 +581,7 @@ class EngineApp:
         """One completion or chat completion: its whole response, or None once its stream has been written."""
         kind, prompt_param, id_prefix = route
         api = self.api
+        received = time.monotonic()
         request = _parse(kind, await _body(receive))
         api.check_model(request.model)
         if isinstance(request, ChatCompletionRequest):
@@ -582,6 +591,7 @@ class EngineApp:
         grammar = await api.grammar(request)
         internal = (RESUMABLE_HEADER.encode(), b"1") in scope["headers"]
         answer = api.admit(request, prompts, prompt_param, id_prefix, internal, grammar)
+        answer.received = received
         events = api.chunks.events(request, answer)
         if request.stream:
             await api.stream(answer, events, receive, send)

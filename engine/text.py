@@ -141,7 +141,9 @@ class Answer:
     internal: bool  # the gateway's internal stream: token ids after every event
     started_before: bool = False  # a resumed request whose first events (role chunks, echo) the client has
     done_tokens: int = 0  # tokens of the choices a failed engine finished (a resume): in the usage
-    began: float = field(default_factory=time.monotonic)
+    began: float = field(default_factory=time.monotonic)  # admitted
+    received: float | None = None  # its request's receipt (before its body was read), where known
+    first_sent: float | None = None  # its stream's first event written
 
     async def deltas(self) -> AsyncIterator[tuple[TextGeneration, Delta]]:
         """Every choice's deltas, as they come."""
