@@ -371,9 +371,9 @@ class EngineAPI:
         for choice in answer.choices:
             choice.close()
         received = answer.received or answer.began
-        first = "-" if answer.first_sent is None else f"{1e3 * (answer.first_sent - received):.1f}"
-        # admit_ms: receipt to admission (body, parsing, prompt, grammar); ttft_ms: receipt to the stream's first event
-        # written (streams only): what the relays and clients add is the rest of their TTFT.
+        first = "-" if answer.first_token is None else f"{1e3 * (answer.first_token - received):.1f}"
+        # admit_ms: receipt to admission (body, parsing, prompt, grammar); ttft_ms: receipt to the first token's text
+        # (none: no token came): what the relays and the clients add is the rest of a client's TTFT.
         log.info(
             "event=request id=%s choices=%d prompt_tokens=%d completion_tokens=%d seconds=%.3f admit_ms=%.1f "
             "ttft_ms=%s",
@@ -392,8 +392,6 @@ class EngineAPI:
             await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
             async for event in events:
                 await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
-                if answer.first_sent is None:
-                    answer.first_sent = time.monotonic()
             sent = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 

@@ -143,13 +143,15 @@ class Answer:
     done_tokens: int = 0  # tokens of the choices a failed engine finished (a resume): in the usage
     began: float = field(default_factory=time.monotonic)  # admitted
     received: float | None = None  # its request's receipt (before its body was read), where known
-    first_sent: float | None = None  # its stream's first event written
+    first_token: float | None = None  # its first delta came from the engine
 
     async def deltas(self) -> AsyncIterator[tuple[TextGeneration, Delta]]:
         """Every choice's deltas, as they come."""
         if len(self.choices) == 1:
             choice = self.choices[0]
             async for delta in choice.deltas():
+                if self.first_token is None:
+                    self.first_token = time.monotonic()
                 yield choice, delta
             return
         queue: asyncio.Queue[tuple[TextGeneration, Delta] | BaseException | None] = asyncio.Queue()
@@ -172,6 +174,8 @@ class Answer:
                 elif isinstance(item, BaseException):
                     raise item
                 else:
+                    if self.first_token is None:
+                        self.first_token = time.monotonic()
                     yield item
         finally:
             for task in tasks:
