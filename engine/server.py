@@ -373,13 +373,14 @@ class EngineAPI:
         received = answer.received or answer.began
         first = "-" if answer.first_token is None else f"{1e3 * (answer.first_token - received):.1f}"
         # admit_ms: receipt to admission (body, parsing, prompt, grammar); ttft_ms: receipt to the first token's text
-        # (none: no token came): what the relays and the clients add is the rest of a client's TTFT.
+        # (none: no token came): what the relays and the clients add is the rest of a client's TTFT. received_at: the
+        # receipt on the host's monotonic clock, which other processes' traces share (a load client's sends).
         log.info(
             "event=request id=%s choices=%d prompt_tokens=%d completion_tokens=%d seconds=%.3f admit_ms=%.1f "
-            "ttft_ms=%s",
+            "ttft_ms=%s received_at=%.4f",
             answer.request_id, answer.count, sum(len(p) for p in answer.prompts),
             sum(c.completion_tokens for c in answer.choices), time.monotonic() - answer.began,
-            1e3 * (answer.began - received), first,
+            1e3 * (answer.began - received), first, received,
         )  # fmt: skip
 
     async def stream(self, answer: Answer, events: AsyncIterator[str], receive: Receive, send: Send) -> None:

@@ -160,8 +160,11 @@ def test_concurrent_chat_and_completions(worker: Worker, tokenizer: ChatTokenize
 
 def test_each_request_logs_its_admission_and_first_token_times_within_what_the_client_saw(worker: Worker) -> None:
     """The request log line: admit_ms (receipt to admission) <= ttft_ms (receipt to the first token's text) <= the
-    client's own time to the first token's event (which holds the engine's and more), streamed or not."""
+    client's own time to the first token's event (which holds the engine's and more), streamed or not; received_at
+    on the monotonic clock the test's process reads too."""
     body = {"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+
+    began = time.monotonic()
 
     async def run() -> tuple[str, float, str, float]:
         async with worker.client() as client:
@@ -189,6 +192,7 @@ def test_each_request_logs_its_admission_and_first_token_times_within_what_the_c
     for request_id, client_ms in ((streamed_id, streamed_ms), (whole_id, whole_ms)):
         logged = fields(request_id)
         assert 0 <= float(logged["admit_ms"]) <= float(logged["ttft_ms"]) <= client_ms, (logged, client_ms)
+        assert began <= float(logged["received_at"]) <= time.monotonic(), logged  # one clock for the host
 
 
 def test_concurrent_prompts_of_every_length_in_a_tight_kv_cache(model: Path, tmp_path: Path) -> None:
