@@ -33,8 +33,10 @@ Per level: output tok/s, TTFT, TPOT, ITL, failed requests; engine restarts with 
 before and after the level) and `event=...` lines in the logs during the level (engine_hung, engine_crashed, ...);
 CPU time (utime+stime, /proc/PID/stat) over the counted requests' window, per output token: the gateway's relays
 (summed) and supervisor (status `relays` / `supervisor`), or, for a gateway without relays, the `warmgate serve`
-process itself; the active engine, the cache and the client processes too. Every level's results are written as soon
-as it ends; SIGTERM (a `timeout` around the run) still writes what was measured and stops the server.
+process itself; the active engine, the cache and the client processes too. From the engines' `event=request` lines
+(engine/server.py), on the clients' clock: each level's TTFT inside the engine (from its front's receipt), the way in
+(a client's send to that receipt) and the way back (the engine's first text to the client's). Every level's results
+are written as soon as it ends; SIGTERM (a `timeout` around the run) still writes what was measured and stops the server.
 Writes OUT/serve_load.json (config, per-level stats, every request's samples) and OUT/serve_load.md.
 """
 
@@ -698,6 +700,19 @@ class LogWatch:
                 out[path.name] = dict(counts)
         return out
 
+    def requests(self) -> list[tuple[float, float | None]]:
+        """The engines' `event=request` lines since the mark: (received_at, ttft_ms or None), each request's receipt
+        by its engine's front on the host's monotonic clock and its time from there to its first token's text."""
+        out = []
+        for text in self._since_mark().values():
+            for line in text.splitlines():
+                if b"event=request " in line:
+                    fields = dict(FIELD.findall(line))
+                    if (at := fields.get(b"received_at")) is not None:
+                        ttft = fields.get(b"ttft_ms", b"-")
+                        out.append((float(at), None if ttft == b"-" else float(ttft)))
+        return out
+
     def engine_steps(self) -> dict[str, float | None] | None:
         """The engines' `engine_stats` lines since the mark, weighted by their steps: step and device times, and the
         device's idle share between steps that followed one another."""
@@ -743,6 +758,26 @@ def ttft_by_round(concurrency: int, recs: list[dict[str, Any]]) -> list[float | 
     ordered = sorted(recs, key=lambda r: r["start"])
     rounds = [ordered[i : i + concurrency] for i in range(0, len(ordered), concurrency)]
     return [ms_stats([r["ttft"] for r in chunk])["p50_ms"] for chunk in rounds]
+
+
+def engine_side(recs: list[dict[str, Any]], requests: list[tuple[float, float | None]]) -> dict[str, Any] | None:
+    """Each counted request's time in the engine against the client's, from the engines' request lines (LogWatch
+    .requests) on the clients' clock: the engine's TTFT (its front's receipt to the first token's text), the way in
+    (a client's send to that receipt) and the way back (the engine's first text to the client's). Sends and receipts
+    are matched by rank (sorted; a mean does not depend on the matching): None unless every counted request has one
+    line received within the level (the warm-up's come before its first send)."""
+    if not recs:
+        return None
+    first = min(r["start"] for r in recs)
+    mine = sorted((at, ttft) for at, ttft in requests if at >= first and ttft is not None)
+    if len(mine) != len(recs) or any(r["ttft"] is None for r in recs):
+        return None
+    sends = sorted(r["start"] for r in recs)
+    client_first = sorted(r["start"] + r["ttft"] for r in recs)
+    engine_first = sorted(at + ttft / 1e3 for at, ttft in mine)
+    return {"ttft": ms_stats([ttft / 1e3 for _, ttft in mine]),
+            "way_in": ms_stats([at - sent for (at, _), sent in zip(mine, sends, strict=True)]),
+            "way_back": ms_stats([c - e for c, e in zip(client_first, engine_first, strict=True)])}  # fmt: skip
 
 
 def level_stats(concurrency: int, recs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -987,6 +1022,7 @@ class Bench:
                   "relays": (after or {}).get("relays"), "supervisor": (after or {}).get("supervisor"),
                   "memory": {e.get("id"): e.get("memory") for e in (after or {}).get("engines") or []},
                   "engine_steps": self.logs.engine_steps(),
+                  "engine_side": engine_side([r for r in recs if r["ok"]], self.logs.requests()),
                   "gpu_processes": gpu_processes(),
                   "samples": compact(recs, a.started)}  # fmt: skip
         result["levels"].append(record)
@@ -1080,6 +1116,12 @@ def markdown(result: dict[str, Any]) -> str:
         if len(rounds := s.get("ttft_by_round") or []) > 1:
             lines.append(f"\n{s['target']} {s['concurrency']} {s.get('variant', 'plain')}: TTFT p50 by round of "
                          f"{s['concurrency']} requests in sending order: {', '.join(fmt(r) for r in rounds)}")
+    for s in result["levels"]:
+        if side := s.get("engine_side"):
+            lines.append(f"\n{s['target']} {s['concurrency']} {s.get('variant', 'plain')}: in the engine, TTFT p50 "
+                         f"{fmt(side['ttft']['p50_ms'])} (from its front's receipt); the way in (a client's send to "
+                         f"that receipt) p50 {fmt(side['way_in']['p50_ms'])} / p99 {fmt(side['way_in']['p99_ms'])}; "
+                         f"the way back p50 {fmt(side['way_back']['p50_ms'])} / p99 {fmt(side['way_back']['p99_ms'])}")
     lines.append("\n(TTFT and TPOT in ms; failed: no `[DONE]`, an error event, or usage.completion_tokens != "
                  f"{a['output_len']}; crash restarts: /admin/status restarts with reason crash during the level, "
                  "warm-up included; engine_hung: `event=engine_hung` log lines)\n")  # fmt: skip
