@@ -36,7 +36,8 @@ CPU time (utime+stime, /proc/PID/stat) over the counted requests' window, per ou
 process itself; the active engine, the cache and the client processes too. From the engines' `event=request` lines
 (engine/server.py), on the clients' clock: each level's TTFT inside the engine (from its front's receipt), the way in
 (a client's send to that receipt) and the way back (the engine's first text to the client's). Every level's results
-are written as soon as it ends; SIGTERM (a `timeout` around the run) still writes what was measured and stops the server.
+are written as soon as it ends; SIGTERM (a `timeout` around the run) still writes what was measured and stops the
+server.
 Writes OUT/serve_load.json (config, per-level stats, every request's samples) and OUT/serve_load.md.
 """
 
