@@ -49,6 +49,29 @@ def kernels(fn) -> list[tuple[str, int, float]]:
     return [(e.key[:90], e.count, round(e.device_time_total, 1)) for e in events[:16]]
 
 
+def step_both_ways(engine: LLMEngine, gen: torch.Generator, tokens: int, prompt_len: int,
+                   repeats: int) -> dict[str, object]:  # fmt: skip
+    """One prefill step of ``tokens`` (prompts of ``prompt_len``) through its graph and eagerly."""
+    runner = engine.runner
+    for i in range(tokens // prompt_len):
+        engine.scheduler.add(Sequence(f"p{i}", prompt(gen, prompt_len), SamplingParams(max_tokens=1),
+                                      lambda event: None))  # fmt: skip
+    plan = engine.scheduler.schedule()
+    row: dict[str, object] = {"tokens": sum(w.count for w in plan), "sequences": len(plan)}
+    for label, graphs in (("graph", True), ("eager", False)):
+        runner.use_graphs = graphs
+        try:
+            row[f"{label}_ms"] = round(timed_ms(lambda: runner.run(plan), repeats), 3)
+            row[f"{label}_kernels"] = kernels(lambda: runner.run(plan))
+        finally:
+            runner.use_graphs = True
+    print({k: v for k, v in row.items() if not k.endswith("kernels")}, flush=True)
+    for label in ("graph", "eager"):
+        for k in row[f"{label}_kernels"]:  # type: ignore[attr-defined]
+            print(label, k, flush=True)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", type=Path, required=True)
@@ -60,29 +83,12 @@ def main() -> None:
     args = parser.parse_args()
     engine = LLMEngine(EngineConfig(model=args.model, device="cuda", max_num_seqs=128, max_model_len=2048,
                                     max_num_batched_tokens=args.budget, kv_cache_bytes=20 * 10**9))  # fmt: skip
-    runner = engine.runner
     gen = torch.Generator().manual_seed(0)
     rows = []
-    torch.inference_mode().__enter__()  # as the engine's steps run
-    for tokens in (int(t) for t in args.tokens.split(",")):
-        for i in range(tokens // args.prompt_len):
-            engine.scheduler.add(Sequence(f"p{i}", prompt(gen, args.prompt_len), SamplingParams(max_tokens=1),
-                                          lambda event: None))  # fmt: skip
-        plan = engine.scheduler.schedule()
-        row: dict[str, object] = {"tokens": sum(w.count for w in plan), "sequences": len(plan)}
-        for label, graphs in (("graph", True), ("eager", False)):
-            runner.use_graphs = graphs
-            try:
-                row[f"{label}_ms"] = round(timed_ms(lambda: runner.run(plan), args.repeats), 3)
-                row[f"{label}_kernels"] = kernels(lambda: runner.run(plan))
-            finally:
-                runner.use_graphs = True
-        print({k: v for k, v in row.items() if not k.endswith("kernels")}, flush=True)
-        for label in ("graph", "eager"):
-            for k in row[f"{label}_kernels"]:  # type: ignore[attr-defined]
-                print(label, k, flush=True)
-        rows.append(row)
-        clear(engine)
+    with torch.inference_mode():  # as the engine's steps run
+        for tokens in (int(t) for t in args.tokens.split(",")):
+            rows.append(step_both_ways(engine, gen, tokens, args.prompt_len, args.repeats))
+            clear(engine)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
 

@@ -143,7 +143,7 @@ class Answer:
     done_tokens: int = 0  # tokens of the choices a failed engine finished (a resume): in the usage
     began: float = field(default_factory=time.monotonic)  # admitted
     received: float | None = None  # its request's receipt (before its body was read), where known
-    first_token: float | None = None  # its first delta came from the engine
+    first_token: float | None = None  # its first text came (a choice's first delta)
 
     async def deltas(self) -> AsyncIterator[tuple[TextGeneration, Delta]]:
         """Every choice's deltas, as they come."""

@@ -91,16 +91,16 @@ def fp8_block_scaled_mm(x: torch.Tensor, t: Tensors, r: LinearRecipe) -> torch.T
     quantized = x if isinstance(x, Quantized) else None
     m = quantized.rows if quantized else x.shape[0]
     if m <= SMALL_M or not _cublas_blockwise(r):
-        operand = quantized or _pad_k(x, r).contiguous()
-        return _finish(fp8_block_gemm(operand, t["weight"], t["weight_scale"]), t, r)
-    if quantized:
-        xq, xs, dtype = quantized.q, quantized.scale, quantized.dtype
+        y = fp8_block_gemm(quantized or _pad_k(x, r).contiguous(), t["weight"], t["weight_scale"])
     else:
-        xq, xs = quantize_groups(_pad_k(x, r), _cublas_rows(m))  # as quantize_per_token_group, in one kernel
-        dtype = x.dtype
-    y = scaled_mm(xq, t["weight"].t(), xs, ScalingType.BlockWise1x128, t["weight_scale"].t(),
-                  ScalingType.BlockWise128x128, output_dtype=dtype)  # fmt: skip
-    return _finish(y[:m] if y.shape[0] != m else y, t, r)
+        if quantized:
+            xq, xs, dtype = quantized.q, quantized.scale, quantized.dtype
+        else:
+            xq, xs = quantize_groups(_pad_k(x, r), _cublas_rows(m))  # as quantize_per_token_group, in one kernel
+            dtype = x.dtype
+        y = scaled_mm(xq, t["weight"].t(), xs, ScalingType.BlockWise1x128, t["weight_scale"].t(),
+                      ScalingType.BlockWise128x128, output_dtype=dtype)  # fmt: skip
+    return _finish(y[:m] if y.shape[0] != m else y, t, r)  # the padding rows' outputs dropped
 
 
 def _cublas_rows(m: int) -> int:
