@@ -18,23 +18,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.gpu_engine import timed
 from bench.gpu_step_profile import clear, prompt
 from engine.config import EngineConfig
 from engine.native.llm_engine import LLMEngine
 from engine.native.scheduler import Sequence
 from engine.sampling_params import SamplingParams
-
-
-def timed_ms(fn, n: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / n
 
 
 def kernels(fn) -> list[tuple[str, int, float]]:
@@ -61,7 +50,7 @@ def step_both_ways(engine: LLMEngine, gen: torch.Generator, tokens: int, prompt_
     for label, graphs in (("graph", True), ("eager", False)):
         runner.use_graphs = graphs
         try:
-            row[f"{label}_ms"] = round(timed_ms(lambda: runner.run(plan), repeats), 3)
+            row[f"{label}_ms"] = round(1e3 * timed(lambda: runner.run(plan), repeats), 3)
             row[f"{label}_kernels"] = kernels(lambda: runner.run(plan))
         finally:
             runner.use_graphs = True
