@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 from conftest import PROMPT
-from processes import MAX_MODEL_LEN, Worker, health, launch_worker, start_worker
+from processes import MAX_MODEL_LEN, Worker, health, launch_worker, start_worker, wait_for
 
 from common.uds import bind_unix_socket
 from engine.tokenizer import ChatTokenizer
@@ -183,10 +183,8 @@ def test_each_request_logs_its_admission_and_first_token_times_within_what_the_c
     streamed_id, streamed_ms, whole_id, whole_ms = asyncio.run(run())
 
     def fields(request_id: str) -> dict[str, str]:
-        deadline = time.monotonic() + 30  # the line is written as the response ends
-        while not (lines := [ln for ln in worker.log().splitlines() if f"event=request id={request_id} " in ln]):
-            assert time.monotonic() < deadline, worker.log()[-2000:]
-            time.sleep(0.01)
+        lines = wait_for(lambda: [ln for ln in worker.log().splitlines() if f"event=request id={request_id} " in ln],
+                         30, f"the log line of {request_id}")  # written as the response ends  # fmt: skip
         return dict(part.split("=", 1) for part in lines[0].split("event=request ")[1].split())
 
     for request_id, client_ms in ((streamed_id, streamed_ms), (whole_id, whole_ms)):
@@ -513,14 +511,9 @@ def test_a_request_whose_body_still_arrives_at_a_sigterm_is_served_before_the_wo
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.connect(str(worker.socket))
             sock.sendall(head + body[:10])  # the headers and part of the body: the app is reading the rest
-            deadline = time.monotonic() + 30
-            while health(worker)["in_flight"] != 1:
-                assert time.monotonic() < deadline, "the request being read is not counted in flight"
-                time.sleep(0.01)
+            wait_for(lambda: health(worker)["in_flight"] == 1, 30, "the request being read counted in flight")
             worker.proc.send_signal(signal.SIGTERM)
-            while health(worker)["status"] != "draining":
-                assert time.monotonic() < deadline, "no drain after the SIGTERM"
-                time.sleep(0.01)
+            wait_for(lambda: health(worker)["status"] == "draining", 30, "a drain after the SIGTERM")
             sock.sendall(body[10:])
             sock.settimeout(30)
             response = b""
