@@ -67,13 +67,16 @@ class FakeLauncher:
         self.refuse_probe: set[int] = set()
         self.refuse_activation: set[int] = set()  # engine ids whose KV cache cannot be committed
         self.hold: dict[int, asyncio.Event] = {}  # engine id -> start waits for this
+        self.ready_anyway: set[int] = set()  # engine ids whose start, once released, succeeds though stopped meanwhile
         self.draining = asyncio.Event()  # cleared: retired engines drain until it is set
         self.draining.set()
 
     async def start(self, engine: Engine, report: RestartReport, timeout: float) -> None:
         self.log.append(("start", engine.id))
         engine.process, engine.path = FakeProcess(), "fork"
-        if engine.id in self.hold:  # until released, or stopped meanwhile
+        if engine.id in self.ready_anyway:  # as a real start that read the engine's ready line as the stop came
+            await self.hold[engine.id].wait()
+        elif engine.id in self.hold:  # until released, or stopped meanwhile
             waits = {asyncio.ensure_future(self.hold[engine.id].wait()), asyncio.ensure_future(engine.process.wait())}
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             for w in waits:
@@ -137,6 +140,11 @@ class Harness:
     @property
     def active(self) -> Engine | None:
         return self.reconciler.active
+
+    def routed_all(self) -> bool:
+        """Every table handed to the relays so far is acknowledged (a late one would land in a cleared log)."""
+        kinds = [kind for kind, _ in self.launcher.log]
+        return kinds.count("route") == kinds.count("routed")
 
     async def until(self, condition: Any, what: str, timeout: float = 5.0) -> None:
         async with asyncio.timeout(timeout):
@@ -292,6 +300,7 @@ async def test_replace_drains_the_old_engine_before_the_new_one_takes_over(tmp_p
     h.reconciler.start()
     try:
         await h.reconciler.restart(h.config, "overlap", "start")
+        await h.until(lambda: h.routed_all(), "the relays' acknowledgements of the start's tables")
         h.launcher.log.clear()
         report = await h.reconciler.restart(None, "replace", "admin")
         assert report.ok and report.path == "fork" and report.engine == 2
@@ -501,3 +510,32 @@ async def test_every_engine_commits_its_kv_cache_before_it_takes_traffic_and_one
     report = await harness.reconciler.restart(other, "overlap", "admin")
     assert not report.ok and "50.0 GB" in (report.error or ""), report
     assert harness.active is serving  # overlap: the old engine never stopped serving
+
+
+async def test_a_standby_build_stopped_as_its_start_ends_is_not_kept_and_its_exit_is_no_crash(tmp_path: Path) -> None:
+    """A restart to another config stops the standby builds of the config it replaces, still the desired one until
+    the restart switches. A build whose start succeeds all the same (its ready line read as the stop came) must not
+    be kept as a standby: it was kept, and its exit from the stop counted as a crash (seen once in CI's gateway
+    test: `standby_build_stopped`, then `standby_ready` and `engine_crashed` for the same engine)."""
+    h = Harness(tmp_path)
+    h.launcher.hold[2], h.launcher.hold[3] = asyncio.Event(), asyncio.Event()
+    h.launcher.ready_anyway.add(2)
+    h.reconciler.start()
+    try:
+        await h.reconciler.restart(h.config, "overlap", "start")
+        await h.until(lambda: ("start", 2) in h.launcher.log, "the standby build starting")
+        build = h.reconciler.engines[2]
+        other = h.config.model_copy(update={"max_num_seqs": 8})
+        restart = asyncio.ensure_future(h.reconciler.restart(other, "overlap", "admin"))
+        await h.until(lambda: ("start", 3) in h.launcher.log and build.process is not None
+                      and build.process.returncode is not None, "the build stopped, the restart's engine starting")
+        h.launcher.hold[2].set()  # its start reports ready after all, while the restart has not switched yet
+        await asyncio.sleep(0.05)
+        h.launcher.hold[3].set()
+        report = await restart
+        assert report.ok and report.engine == 3, report
+        await asyncio.sleep(0.05)
+        assert h.reconciler.metrics.crashes._value.get() == 0  # type: ignore[attr-defined]
+        assert build not in h.reconciler.standbys() and build.state is not EngineState.STANDBY
+    finally:
+        await h.reconciler.close()

@@ -492,7 +492,8 @@ class Reconciler:
 
     def _started(self, engine: Engine) -> None:
         self._building.pop(engine, None)
-        self._cancelled.discard(engine)  # stopped too late: retired below as not wanted
+        stopped = engine in self._cancelled  # stopped as its start ended (_stop_unwanted_builds): retired below
+        self._cancelled.discard(engine)
         if engine.state is not EngineState.STARTING:  # closed meanwhile
             return
         self._set(engine, EngineState.READY)
@@ -506,8 +507,8 @@ class Reconciler:
         # a standby build (or a restart's candidate it no longer wants): kept if it is still wanted
         self._standby_backoff.succeeded()
         current = [e for e in self.standbys() if e.config == self.desired]
-        if self._closing or engine.config != self.desired or len(current) >= self.limits.standbys:
-            self._retire(engine)
+        if self._closing or stopped or engine.config != self.desired or len(current) >= self.limits.standbys:
+            self._retire(engine)  # (a stopped build's config may still be the desired one: a restart stopped it)
             return
         self._set(engine, EngineState.STANDBY)
         log_event(log, "standby_ready", engine=engine.id, path=engine.path)
