@@ -1,8 +1,10 @@
 """Paged attention on the GPU for the steps a prefix wave and decoding make: prefill chunks over a shared cached
 prefix (the blocks every sequence's table shares), with and without decode rows, decode alone, fresh prompts; each
-timed in a CUDA graph over 32 layers' caches (llama3-8b's 32 query heads on 8 KV heads, dim 128). ``--baseline FILE``:
-a second copy of engine/native/triton_attention.py (e.g. ``git show REV:engine/native/triton_attention.py``) timed
-beside the working tree's, twice each in turn, with the largest difference of their outputs.
+timed in a CUDA graph over 32 layers' caches (llama3-8b's 32 query heads on 8 KV heads, dim 128). Steps over the
+shared prefix run twice in this tree: told the prefix (``StepBatch.shared_prefix``: walked for all rows at once) and
+not (``per_sequence``). ``--baseline FILE``: a second copy of engine/native/triton_attention.py (e.g. ``git show
+REV:engine/native/triton_attention.py``) timed beside the working tree's, twice each in turn, with the largest
+difference of their outputs from the current kernel's.
 
     PYTHONPATH=/tmp/site:$PWD python3 bench/attention_ab.py --out $OUT/ab.json [--baseline /tmp/old_attention.py]
 """
@@ -13,6 +15,7 @@ import argparse
 import importlib.util
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 
@@ -30,6 +33,7 @@ DECODES = [(PREFIX + 100, 1)] * 44  # sequences of the same wave already decodin
 CASES: dict[str, tuple[list[tuple[int, int]], bool]] = {  # (context after the step, rows) per sequence; shared prefix
     "20 chunks of 50 over 2,000 cached": (CHUNKS, True),
     "20 chunks of 50 + 44 decode rows over 2,000 cached": (CHUNKS + DECODES, True),
+    "44 decode rows, then 20 chunks, over 2,000 cached": (DECODES + CHUNKS, True),  # the engine's order
     "44 decode rows at 2,100": (DECODES, True),
     "decode 1 at 300": ([(300, 1)], False),
     "decode 64 at 300": ([(300, 1)] * 64, False),
@@ -57,7 +61,8 @@ def step_batch(specs: list[tuple[int, int]], shared: bool, device: torch.device)
                       query_start=torch.tensor(starts, device=device),
                       seq_lens=torch.tensor([length for length, _ in specs], device=device),
                       block_tables=table.to(device), logits_indices=torch.empty(0),
-                      max_query_len=max(rows for _, rows in specs), block_size=PAGE)  # fmt: skip
+                      max_query_len=max(rows for _, rows in specs), block_size=PAGE,
+                      shared_prefix=torch.tensor([PREFIX // PAGE * PAGE if shared else 0], device=device))  # fmt: skip
     return batch, next_block, starts[-1]
 
 
@@ -75,7 +80,7 @@ def main() -> None:
     parser.add_argument("--baseline", type=Path, help="another triton_attention.py to time beside this tree's")
     args = parser.parse_args()
     device = torch.device("cuda")
-    kernels = {"current": current} | ({"baseline": load(args.baseline)} if args.baseline else {})
+    baseline = load(args.baseline) if args.baseline else None
     results: dict[str, dict[str, float | bool]] = {}
     for name, (specs, shared) in CASES.items():
         batch, blocks, rows = step_batch(specs, shared, device)
@@ -83,18 +88,27 @@ def main() -> None:
                    torch.randn(blocks * PAGE, KV_HEADS, DIM, device=device, dtype=torch.bfloat16))
                   for _ in range(LAYERS)]  # fmt: skip
         q = torch.randn(rows, HEADS, DIM, device=device, dtype=torch.bfloat16)
+        # label -> (kernel module, the step's metadata)
+        variants = {"current": (current, batch)}
+        if shared:
+            variants["per_sequence"] = (current, replace(batch, shared_prefix=None))
+        if baseline:
+            variants["baseline"] = (baseline, batch)
         row: dict[str, float | bool] = {}
         for turn in range(2):
-            for label, kernel in kernels.items():
-                def step(kernel: ModuleType = kernel, caches: list[tuple[torch.Tensor, torch.Tensor]] = caches) -> None:
+            for label, (kernel, meta) in variants.items():
+                def step(kernel: ModuleType = kernel, meta: StepBatch = meta,
+                         caches: list[tuple[torch.Tensor, torch.Tensor]] = caches) -> None:  # fmt: skip
                     for k, v in caches:
-                        kernel.paged_attention(q, k, v, batch, DIM**-0.5)
+                        kernel.paged_attention(q, k, v, meta, DIM**-0.5)
 
                 row[f"{label}_us" + ("_again" if turn else "")] = round(graphed_us(step, 5), 1)
-        if args.baseline:
-            a, b = (kernel.paged_attention(q, *caches[0], batch, DIM**-0.5).float() for kernel in kernels.values())
-            row["max_abs_difference"] = float((a - b).abs().max())
-            row["identical"] = bool(torch.equal(a, b))
+        first = current.paged_attention(q, *caches[0], batch, DIM**-0.5).float()
+        for label, (kernel, meta) in variants.items():
+            if label != "current":
+                other = kernel.paged_attention(q, *caches[0], meta, DIM**-0.5).float()
+                row[f"{label}_max_abs_difference"] = float((first - other).abs().max())
+                row[f"{label}_identical"] = bool(torch.equal(first, other))
         results[name] = row
         print(f"{name:52s} {row}", flush=True)
         del caches

@@ -13,13 +13,15 @@ PAGE = 16
 
 
 def make_batch(specs: list[tuple[int, int]], blocks: int, device: torch.device, gen: torch.Generator,
-               max_query_len: int | None = None, pad_seqs: int = 0) -> StepBatch:  # fmt: skip
-    """Sequences given as (context length after the step, query rows this step), blocks scattered at random."""
+               max_query_len: int | None = None, pad_seqs: int = 0, shared: int = 0) -> StepBatch:  # fmt: skip
+    """Sequences given as (context length after the step, query rows this step), blocks scattered at random;
+    ``shared``: the first positions of every sequence in the same blocks (told to the kernel), a multiple of PAGE."""
     order = (torch.randperm(blocks - 1, generator=gen) + 1).tolist()  # block 0 is the null block
-    tables, used = [], 0
+    common, used = order[: shared // PAGE], shared // PAGE
+    tables = []
     for length, _ in specs:
-        n = math.ceil(length / PAGE)
-        tables.append(order[used : used + n])
+        n = math.ceil(length / PAGE) - len(common)
+        tables.append(common + order[used : used + n])
         used += n
     assert used < blocks
     starts = [0]
@@ -36,6 +38,7 @@ def make_batch(specs: list[tuple[int, int]], blocks: int, device: torch.device, 
         query_start=torch.tensor(starts, device=device), seq_lens=torch.tensor(lengths, device=device),
         block_tables=table.to(device), logits_indices=torch.empty(0),
         max_query_len=max_query_len or max(n for _, n in specs), block_size=PAGE,
+        shared_prefix=torch.tensor([shared], device=device),
         context_slots=[torch.from_numpy(slots_of(t, 0, length, PAGE)).to(device)
                        for t, (length, _) in zip(tables, specs, strict=True)]
         + [torch.empty(0, dtype=torch.long, device=device)] * pad_seqs,
@@ -51,7 +54,9 @@ def check_paged_attention(device: torch.device, dtype: torch.dtype, heads: int, 
     blocks = 320
     k = torch.randn(blocks * PAGE, kv_heads, dim, generator=gen).to(device, dtype)
     v = torch.randn(blocks * PAGE, kv_heads, dim, generator=gen).to(device, dtype)
-    # (context after the step, rows) per sequence, the batch's max_query_len, padding sequences, padding token rows
+    # (context after the step, rows) per sequence, the batch's max_query_len, padding sequences, padding token rows,
+    # the first positions every sequence holds in the same blocks
+    shared = [(200 + 50, 50), (200 + 9, 9), (200 + 31, 1), (200 + 40, 1), (200 + 3, 3), (200 + 70, 1), (200 + 18, 18)]
     cases = {
         "decode only": ([(37, 1), (1, 1), (16, 1), (17, 1), (200, 1)], None, 0, 0),
         "mixed": ([(37, 1), (20, 20), (150, 70), (5, 5), (64, 1), (90, 33)], None, 0, 0),
@@ -59,9 +64,15 @@ def check_paged_attention(device: torch.device, dtype: torch.dtype, heads: int, 
         # query blocks straddling sequences at every offset: short chunks over cached contexts, as a cached prefix's
         # questions are, beside one long prompt
         "short chunks over cached contexts": ([(60 + 7 * i, 1 + i % 7) for i in range(24)] + [(100, 100)], None, 0, 5),
+        # a shared prefix walked for all rows at once: 192 positions in 12 blocks, three whole 64-position tiles (the
+        # rest of each sequence's 200 earlier positions its own); decode rows and chunks of several sequences share
+        # 16-row blocks
+        "shared prefix": (shared, None, 0, 0, 192),
+        "shared prefix, graph-shaped": (shared[::-1], 512, 2, 37, 192),
+        "shared prefix under a tile (per sequence)": ([(40 + 20, 20), (40 + 5, 1)], None, 0, 0, 32),
     }
-    for name, (specs, max_query_len, pad, pad_rows) in cases.items():
-        batch = make_batch(specs, blocks, device, gen, max_query_len, pad)
+    for name, (specs, max_query_len, pad, pad_rows, *common) in cases.items():
+        batch = make_batch(specs, blocks, device, gen, max_query_len, pad, *common)
         rows = sum(n for _, n in specs)
         q = torch.randn(rows + pad_rows, heads, dim, generator=gen).to(device, dtype)
         scale = dim**-0.5

@@ -164,6 +164,52 @@ def test_prefix_caching_changes_no_greedy_token(demo_path, tokenizer) -> None:
     assert tight.kv_blocks_free == tight.kv_blocks_total
 
 
+def test_a_step_of_questions_after_a_cached_prefix_tells_attention_the_blocks_they_share(demo_path, tokenizer) -> None:
+    """The runner tells the attention kernel how many first positions every sequence of a step with prompt rows
+    holds in the same blocks (the kernel then walks them for all rows at once): a cached system prompt's whole blocks
+    for questions after it; none once a sequence of its own is in the step, under SHARED_MIN positions, or for a
+    step of decode rows."""
+    from engine.native.model_runner import SHARED_MIN
+
+    def recorded(engine: LLMEngine) -> list[tuple[int, int, int]]:
+        """(sequences, rows, shared positions) of each step the engine runs."""
+        runner, told = engine.runner, []
+        run = runner.run
+
+        def recording_run(step, every_token=frozenset(), drawn=None):
+            out = run(step, every_token, drawn)
+            told.append((len(step), sum(w.count for w in step), int(runner.meta[runner.offsets["shared"]])))
+            return out
+
+        runner.run = recording_run
+        return told
+
+    engine = _engine(demo_path("bf16"), max_model_len=512)
+    told = recorded(engine)
+    system = tokenizer.encode("You are a helpful assistant who answers briefly and precisely. " * 30).ids
+    assert len(system) >= SHARED_MIN + 16
+    shared = len(system) // 16 * 16
+    questions = [system + tokenizer.encode(q).ids for q in ["Why is the sky blue?", "Name a prime.", "2+2="]]
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    engine.generate(questions[:1], params)  # computes the prefix: one sequence, sharing with no one
+    assert [shared_ for _, _, shared_ in told] == [0, 0, 0]
+    told.clear()
+    engine.generate(questions, params)  # the three questions' rows over the cached prefix, then decode steps
+    assert told[0][0] == 3 and told[0][1] > 3 and told[0][2] == shared
+    assert all(shared_ == 0 for _, _, shared_ in told[1:])  # decode rows: the kernel walks each sequence
+    told.clear()
+    engine.generate([questions[1], tokenizer.encode("Something else entirely, " * 20).ids], params)
+    assert told[0][0] == 2 and told[0][2] == 0  # a sequence of its own in the step
+
+    engine = _engine(demo_path("bf16"), max_model_len=512)
+    told = recorded(engine)
+    few = [system[: SHARED_MIN - 16] + tokenizer.encode(q).ids for q in ["Why?", "Who?"]]
+    engine.generate(few[:1], params)
+    told.clear()
+    engine.generate(few, params)
+    assert told[0][0] == 2 and told[0][2] == 0  # 240 shared positions: walked a sequence at a time
+
+
 def test_steps_overlap_and_a_steps_events_reach_the_loop_once_the_step_after_next_is_launched(
     demo_path, prompt_ids, monkeypatch
 ) -> None:

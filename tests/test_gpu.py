@@ -111,6 +111,50 @@ def test_mixed_steps_above_the_largest_graph_run_eagerly_and_equal_a_graphless_e
     assert a == eager.generate(prompts, params)
 
 
+def test_questions_over_a_shared_cached_prefix_get_the_tokens_of_attention_a_sequence_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prefix caching's shared blocks walked for every row of a step at once (StepBatch.shared_prefix) give the same
+    greedy tokens as the same steps walking each sequence's blocks (SHARED_MIN out of reach), graphed and eager."""
+    from engine.config import EngineConfig
+    from engine.native import model_runner
+    from engine.native.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+
+    path = synth_checkpoint(tmp_path / "q", "qwen3-0.6b", "fp8-block", num_layers=2, device="cuda", progress=False)
+    system = [(5 * i) % 3000 + 3 for i in range(700)]
+    prompts = [system + [11 + i, 12, 13 + i] * (i + 1) for i in range(6)]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+
+    def answers(graphs: bool) -> tuple[list[list[int]], list[int]]:
+        config = EngineConfig(model=path, device="cuda", kv_cache_bytes=KV_BYTES, max_num_seqs=8, max_model_len=1024,
+                              max_num_batched_tokens=512, cuda_graphs=graphs)  # fmt: skip
+        engine = LLMEngine(config)
+        engine.generate(prompts[:1], params)  # the prefix, cached
+        runner, told = engine.runner, []
+        run = runner.run
+
+        def recording_run(step, every_token=frozenset(), drawn=None):  # type: ignore[no-untyped-def]
+            out = run(step, every_token, drawn)
+            told.append(int(runner.host_np[runner.offsets["shared"]]))
+            return out
+
+        runner.run = recording_run  # type: ignore[method-assign]
+        out = engine.generate(prompts, params)
+        del engine
+        torch.cuda.empty_cache()
+        return out, told
+
+    for graphs in (True, False):
+        with monkeypatch.context() as patch:
+            shared, told = answers(graphs)
+            assert told[0] == 688  # 43 whole blocks of the 700-token prefix
+            patch.setattr(model_runner, "SHARED_MIN", 1 << 30)
+            each, told = answers(graphs)
+            assert not any(told)
+        assert shared == each
+
+
 def test_overlapped_cuda_steps_feed_each_sequence_its_own_last_token(tmp_path: Path) -> None:
     """tests/overlap_check.py on CUDA, graphed and eager (qwen3-0.6b shapes, 2 layers, FP8 block)."""
     from overlap_check import check_overlapped_steps

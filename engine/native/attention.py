@@ -30,6 +30,9 @@ class StepBatch:
     logits_indices: torch.Tensor  # [S] the row of each sequence's last token
     max_query_len: int  # an upper bound of query_start[s+1] - query_start[s]: sizes the kernel grid
     block_size: int  # positions per cache block
+    # [1] int64: the first positions of every sequence that all of them hold in the same blocks and every query row
+    # sees (prefix caching's shared prefix; 0 or None: none). CUDA: the kernel walks them for all rows at once.
+    shared_prefix: torch.Tensor | None = None
     context_slots: list[torch.Tensor] | None = None  # CPU only: slots of each sequence's whole context
     query_lens: list[int] | None = None  # CPU only: the same counts, on the host
 

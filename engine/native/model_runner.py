@@ -47,6 +47,10 @@ def decode_buckets(max_seqs: int) -> list[int]:
     return sorted(s for s in sizes if s <= max_seqs)
 
 
+# A step's shared prefix (ModelRunner._shared_prefix) counts from this many positions: four of the attention kernel's
+# 64-position tiles.
+SHARED_MIN = 256
+
 # Mixed steps above this many tokens run eagerly (the default budget is 1,024). Up to it they replay a graph: an eager
 # step of Llama-3-8B holds the GIL for its ~400 kernel launches (on the H200 at 64 streams, eager 2,048-token steps
 # were a third of the step loop's CPU: 47.5 -> 29.0 us a generated token with them graphed, docs/benchmarks.md), for
@@ -88,11 +92,12 @@ class ModelRunner:
         self.max_tokens = max(max_tokens, max_seqs)  # a decode step of every sequence always fits
         self.width = math.ceil(max_model_len / self.block_size)  # block-table columns
         t, s = self.max_tokens, self.max_seqs
-        # One int64 buffer: tokens, positions, slots [T]; logits rows [S]; query starts [S + 1]; lengths [S]; and
-        # the tokens to copy in on the device: where they go, which row of the earlier step's tokens [S each].
+        # One int64 buffer: tokens, positions, slots [T]; logits rows [S]; query starts [S + 1]; lengths [S]; the
+        # tokens to copy in on the device: where they go, which row of the earlier step's tokens [S each]; the
+        # positions every sequence shares (StepBatch.shared_prefix).
         self.offsets = {"tokens": 0, "positions": t, "slots": 2 * t, "logits": 3 * t, "starts": 3 * t + s,
                         "lengths": 3 * t + 2 * s + 1, "into": 3 * t + 3 * s + 1, "from": 3 * t + 4 * s + 1,
-                        "end": 3 * t + 5 * s + 1}  # fmt: skip
+                        "shared": 3 * t + 5 * s + 1, "end": 3 * t + 5 * s + 2}  # fmt: skip
         pin = self.device.type == "cuda"
         # On CPU the staged inputs are the model's inputs; on CUDA they are copied over once per step, from one of
         # two pinned buffers in turn (each with the event of its last upload).
@@ -124,8 +129,10 @@ class ModelRunner:
         logits, starts, lengths = h[o["logits"] :], h[o["starts"] :], h[o["lengths"] :]
         into, source = h[o["into"] :], h[o["from"] :]
         t = copied = 0
+        before, longest = 1 << 62, 0  # the fewest positions before a sequence's rows; the longest sequence
         for i, work in enumerate(step):
             seq, start, n = work.seq, work.start, work.count
+            before, longest = min(before, start), max(longest, start + n)
             table = seq.blocks
             if n == 1:
                 if start < seq.known:
@@ -146,6 +153,7 @@ class ModelRunner:
             self.host_tables_np[i, : len(table)] = table
             t += n
         real = len(step)
+        h[o["shared"]] = self._shared_prefix(real, before, longest) if t > real else 0  # steps with prompt rows
         tok[t:tokens] = 0
         pos[t:tokens] = 0
         slot[t:tokens] = 0  # the null block
@@ -153,6 +161,21 @@ class ModelRunner:
         lengths[real:seqs] = 0
         logits[real:seqs] = 0
         return copied
+
+    def _shared_prefix(self, seqs: int, before: int, longest: int) -> int:
+        """The positions the kernel walks for every query row of a step with prompt rows at once (engine/native/
+        triton_attention.py): the first whole blocks that all ``seqs`` sequences' staged tables hold alike, before
+        each one's rows (``before``: the fewest positions before a sequence's rows). 0 unless there are at least
+        SHARED_MIN of them and no sequence's own positions past them (up to ``longest``) outnumber them: the kernel
+        walks those a sequence at a time, and a block of 16 decode rows has 16 sequences."""
+        bs = self.block_size
+        width = before // bs
+        if seqs < 2 or width * bs < SHARED_MIN:
+            return 0
+        tables = self.host_tables_np[:seqs, :width]
+        alike = (tables == tables[0]).all(axis=0)
+        shared = bs * (width if alike.all() else int(alike.argmin()))
+        return shared if shared >= SHARED_MIN and longest - shared <= shared else 0
 
     def _batch(self, tokens: int, seqs: int, max_query_len: int) -> StepBatch:
         o, m = self.offsets, self.meta
@@ -166,6 +189,7 @@ class ModelRunner:
             logits_indices=m[o["logits"] : o["logits"] + seqs],
             max_query_len=max_query_len,
             block_size=self.block_size,
+            shared_prefix=m[o["shared"] : o["shared"] + 1],
         )
 
     def _upload(self, seqs: int, copied: int = 0, drawn: torch.Tensor | None = None) -> None:

@@ -14,11 +14,19 @@ sequences. (A grid of S x ceil(T / BLOCK_Q) programs, one row of query blocks pe
 S times larger: 131,072 programs a layer for a 2,048-token graph of 128 sequences, nearly all of
 them returning at once.)
 
+A step whose sequences all hold the same blocks for their first positions (a system prompt that prefix caching
+shares; ``StepBatch.shared_prefix`` says how many positions, 0 for none) runs those positions as one attention of all
+its rows: program i takes the step's rows i * BLOCK_Q.. whatever sequences they belong to, walks the shared tiles for
+all of them at once, then each of its sequences' own positions for that sequence's rows. Per sequence, a program
+would stack a decode row's GROUP heads in a tile of BLOCK_Q * GROUP rows and a 50-row question in four 16-row blocks,
+every one of them walking the whole prefix.
+
 Metadata as engine/native/attention.py's StepBatch describes it; the torch version there is the reference.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -29,22 +37,40 @@ from engine.native.attention import StepBatch
 from engine.native.fused_ops import SMALL_ROWS, pdl_enabled, pdl_enter, sm_count
 
 MIN_ROWS = 16  # tl.dot needs at least 16 rows
+DECODE_GROUP = 4  # decode rows a program of a step with a shared prefix takes together (_shared_prefix_rows)
 
 
 @triton.jit(do_not_specialize=["seqs"])
 def _paged_attention(
-    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr, query_start_ptr, scale, seqs,
+    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr, query_start_ptr, shared_ptr, scale, seqs,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_table,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, SEQS_P2: tl.constexpr, USE_PDL: tl.constexpr,
+    PAGE: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, SEQS_P2: tl.constexpr, DECODE_GROUP: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(USE_PDL)
     kv_head = tl.program_id(1)
-    if SEQS_P2 == 0:  # decode: program i is sequence i's one row
+    qk_scale = scale * 1.4426950408889634  # exp2 below
+    rows = tl.arange(0, BLOCK_Q * GROUP_P2)
+    dims = tl.arange(0, D_P2)
+    dim_ok = dims < D
+    m_i = tl.full([BLOCK_Q * GROUP_P2], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_Q * GROUP_P2], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_P2, D_P2], dtype=tl.float32)
+    if SEQS_P2 != 0:
+        # Whole tiles of the positions every sequence's rows see in the same blocks: a block of the step's rows,
+        # whatever sequences they belong to (engine/native/attention.py, StepBatch.shared_prefix).
+        bulk = tl.load(shared_ptr) // BLOCK_N * BLOCK_N
+        if bulk > 0:
+            _shared_prefix_rows(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr, query_start_ptr, bulk, seqs,
+                                stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_table,
+                                qk_scale, m_i, l_i, acc, GROUP, GROUP_P2, BLOCK_Q, BLOCK_N, PAGE, D, D_P2, SEQS_P2,
+                                DECODE_GROUP)  # fmt: skip
+            return
+        seq, q_block = _find_query_block(query_start_ptr, seqs, tl.program_id(0), BLOCK_Q, SEQS_P2)
+    else:  # decode: program i is sequence i's one row
         seq = tl.program_id(0)
         q_block = 0
-    else:
-        seq, q_block = _find_query_block(query_start_ptr, seqs, tl.program_id(0), BLOCK_Q, SEQS_P2)
     q_begin = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - q_begin
     if q_block * BLOCK_Q >= q_len:
@@ -52,20 +78,13 @@ def _paged_attention(
     seq_len = tl.load(seq_lens_ptr + seq)
     context = seq_len - q_len  # positions before this step's tokens
 
-    rows = tl.arange(0, BLOCK_Q * GROUP_P2)
     q_index = q_block * BLOCK_Q + rows // GROUP_P2  # which of the sequence's query rows
     head = kv_head * GROUP + rows % GROUP_P2
     row_ok = (q_index < q_len) & (rows % GROUP_P2 < GROUP)
-    dims = tl.arange(0, D_P2)
-    dim_ok = dims < D
     q = tl.load(q_ptr + (q_begin + q_index)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)  # fmt: skip
     q_pos = context + q_index
-
-    m_i = tl.full([BLOCK_Q * GROUP_P2], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_Q * GROUP_P2], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_Q * GROUP_P2, D_P2], dtype=tl.float32)
-    qk_scale = scale * 1.4426950408889634  # exp2 below
+    table = tables_ptr + seq * stride_table
     end = tl.minimum(seq_len, context + (q_block + 1) * BLOCK_Q)  # past the block's last row: invisible
     unmasked = 0
     if SEQS_P2 != 0:
@@ -76,45 +95,118 @@ def _paged_attention(
         # one loop: a second one cost them 14-27% at 300 positions (bench/results/gpu_attention_unmasked_bulk.json).
         unmasked = (context + q_block * BLOCK_Q + 1) // BLOCK_N * BLOCK_N
     for start in range(0, unmasked, BLOCK_N):
-        k_pos = start + tl.arange(0, BLOCK_N)
-        block = tl.load(tables_ptr + seq * stride_table + k_pos // PAGE)
-        slot = block.to(tl.int64) * PAGE + k_pos % PAGE
-        kv_offsets = slot[:, None] * stride_ks + kv_head * stride_kh + dims[None, :]
-        if D == D_P2:  # noqa: SIM108 (a constexpr branch: the other load is not compiled)
-            k = tl.load(k_ptr + kv_offsets)
-        else:
-            k = tl.load(k_ptr + kv_offsets, mask=dim_ok[None, :], other=0.0)
-        scores = tl.dot(q, tl.trans(k)) * qk_scale
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        p = tl.math.exp2(scores - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if D == D_P2:  # noqa: SIM108
-            v = tl.load(v_ptr + kv_offsets)
-        else:
-            v = tl.load(v_ptr + kv_offsets, mask=dim_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _attend(q, q_pos, row_ok, m_i, l_i, acc, k_ptr, v_ptr, table, start, end, kv_head,
+                                stride_ks, stride_kh, qk_scale, BLOCK_N, PAGE, D, D_P2, False, False)  # fmt: skip
     for start in range(unmasked, end, BLOCK_N):
-        k_pos = start + tl.arange(0, BLOCK_N)
+        m_i, l_i, acc = _attend(q, q_pos, row_ok, m_i, l_i, acc, k_ptr, v_ptr, table, start, end, kv_head,
+                                stride_ks, stride_kh, qk_scale, BLOCK_N, PAGE, D, D_P2, True, False)  # fmt: skip
+    _store(out_ptr, acc, l_i, q_begin + q_index, head, row_ok, dims, dim_ok, stride_ot, stride_oh)
+
+
+@triton.jit
+def _shared_prefix_rows(
+    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr, query_start_ptr, bulk, seqs,
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_table, qk_scale, m_i, l_i, acc,
+    GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+    D: tl.constexpr, D_P2: tl.constexpr, SEQS_P2: tl.constexpr, DECODE_GROUP: tl.constexpr,
+):  # fmt: skip
+    """A program of a step whose sequences share their first ``bulk`` positions (whole tiles): it walks them once for
+    a tile of rows of several sequences, then each of those sequences' own positions for its rows. The first
+    ceil(seqs / DECODE_GROUP) programs take the decode rows of DECODE_GROUP sequences each; the others take the
+    prompt rows among the step's rows (program - those) * BLOCK_Q.. . A tile of decode rows of BLOCK_Q sequences
+    would walk BLOCK_Q sequences' own positions one after the other (on the H200, 44 decode rows beside 20 chunks:
+    7.56 ms for 32 layers against 6.94 a sequence at a time)."""
+    program = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_Q * GROUP_P2)
+    slot = rows // GROUP_P2  # the row's token in the tile
+    head = kv_head * GROUP + rows % GROUP_P2
+    head_ok = rows % GROUP_P2 < GROUP
+    total = tl.load(query_start_ptr + seqs)  # the step's rows
+    groups = tl.cdiv(seqs, DECODE_GROUP)
+    if program < groups:
+        row_seq = program * DECODE_GROUP + slot
+        row_ok = head_ok & (slot < DECODE_GROUP) & (row_seq < seqs)
+        t = tl.load(query_start_ptr + row_seq, mask=row_ok, other=0).to(tl.int32)
+        row_ok = row_ok & (tl.load(query_start_ptr + row_seq + 1, mask=row_ok, other=0) - t == 1)
+    else:
+        t = (program - groups) * BLOCK_Q + slot
+        index = tl.arange(0, SEQS_P2)
+        ends = tl.load(query_start_ptr + 1 + index, mask=index < seqs, other=total)
+        row_seq = tl.sum((ends[None, :] <= t[:, None]).to(tl.int32), 1)  # sequences ending at or before the row
+        row_ok = head_ok & (t < total)
+        row_seq = tl.where(row_ok, row_seq, 0)
+        row_ok = row_ok & (tl.load(query_start_ptr + row_seq + 1) - tl.load(query_start_ptr + row_seq) > 1)
+    if tl.max(row_ok.to(tl.int32), 0) == 0:
+        return
+    row_seq = tl.where(row_ok, row_seq, 0)
+    q_pos = tl.load(seq_lens_ptr + row_seq) - tl.load(query_start_ptr + row_seq + 1) + t  # the row's position
+    dims = tl.arange(0, D_P2)
+    dim_ok = dims < D
+    q = tl.load(q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)  # fmt: skip
+    for start in range(0, bulk, BLOCK_N):  # the first sequence's table: every one holds the same blocks there
+        m_i, l_i, acc = _attend(q, q_pos, row_ok, m_i, l_i, acc, k_ptr, v_ptr, tables_ptr, start, bulk, kv_head,
+                                stride_ks, stride_kh, qk_scale, BLOCK_N, PAGE, D, D_P2, False, False)  # fmt: skip
+    # Then each sequence of the tile from there on, for its rows only (the others' are left exactly as they are).
+    for s in range(tl.min(tl.where(row_ok, row_seq, seqs), 0), tl.max(row_seq, 0) + 1):
+        mine = row_ok & (row_seq == s)
+        end = tl.max(tl.where(mine, q_pos + 1, 0), 0)  # past its last row here (none: 0, nothing to walk)
+        for start in range(bulk, end, BLOCK_N):
+            m_i, l_i, acc = _attend(q, q_pos, mine, m_i, l_i, acc, k_ptr, v_ptr, tables_ptr + s * stride_table,
+                                    start, end, kv_head, stride_ks, stride_kh, qk_scale, BLOCK_N, PAGE, D, D_P2, True,
+                                    True)  # fmt: skip
+    _store(out_ptr, acc, l_i, t, head, row_ok, dims, dim_ok, stride_ot, stride_oh)
+
+
+@triton.jit
+def _attend(q, q_pos, rows_in, m_i, l_i, acc, k_ptr, v_ptr, table, start, end, kv_head, stride_ks, stride_kh, qk_scale,
+            BLOCK_N: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, MASKED: tl.constexpr,
+            SELECT: tl.constexpr):
+    """The tile of keys from ``start`` (of the sequence whose block table is ``table``) folded into the rows' online
+    softmax. MASKED: only keys before ``end`` that a row sees (at or before its position ``q_pos``), and with SELECT
+    for the rows of ``rows_in`` only (the others are left exactly as they were). Unmasked: every key of the tile, for
+    every row."""
+    k_pos = start + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, D_P2)
+    if MASKED:
         k_ok = k_pos < end
-        block = tl.load(tables_ptr + seq * stride_table + k_pos // PAGE, mask=k_ok, other=0)
-        slot = block.to(tl.int64) * PAGE + k_pos % PAGE
-        kv_mask = k_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + dims[None, :], mask=kv_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(k)) * qk_scale
+        block = tl.load(table + k_pos // PAGE, mask=k_ok, other=0)
+        kv_mask = k_ok[:, None] & (dims < D)[None, :]
+    else:
+        block = tl.load(table + k_pos // PAGE)
+        kv_mask = (dims < D)[None, :]
+    offsets = (block.to(tl.int64) * PAGE + k_pos % PAGE)[:, None] * stride_ks + kv_head * stride_kh + dims[None, :]
+    if D == D_P2 and not MASKED:  # noqa: SIM108 (a constexpr branch: the other load is not compiled)
+        k = tl.load(k_ptr + offsets)
+    else:
+        k = tl.load(k_ptr + offsets, mask=kv_mask, other=0.0)
+    scores = tl.dot(q, tl.trans(k)) * qk_scale
+    if MASKED:
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+        if SELECT:
+            visible = visible & rows_in[:, None]
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet (padding)
-        p = tl.math.exp2(scores - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + dims[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    else:
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_safe = m_new
+    p = tl.math.exp2(scores - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if D == D_P2 and not MASKED:  # noqa: SIM108
+        v = tl.load(v_ptr + offsets)
+    else:
+        v = tl.load(v_ptr + offsets, mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _store(out_ptr, acc, l_i, t, head, row_ok, dims, dim_ok, stride_ot, stride_oh):
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + (q_begin + q_index)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+    tl.store(out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])  # fmt: skip
 
 
@@ -152,6 +244,11 @@ def launch_shape(group: int, max_query_len: int, programs: int, sms: int, dim: i
     return Launch(max(1, MIN_ROWS // group_p2), 64, 4, 3)
 
 
+@functools.cache
+def _none_shared(device: torch.device) -> torch.Tensor:
+    return torch.zeros(1, dtype=torch.int64, device=device)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: StepBatch, scale: float,
                     block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                     block_q: int | None = None) -> torch.Tensor:  # fmt: skip
@@ -169,10 +266,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     else:
         grid, seqs_p2 = (t // block_q + seqs, kv_heads), triton.next_power_of_2(seqs)
     _paged_attention[grid](
-        q, k_cache, v_cache, out, batch.block_tables, batch.seq_lens, batch.query_start, scale, seqs,
+        q, k_cache, v_cache, out, batch.block_tables, batch.seq_lens, batch.query_start,
+        _none_shared(q.device) if batch.shared_prefix is None else batch.shared_prefix, scale, seqs,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
         batch.block_tables.stride(0), GROUP=group, GROUP_P2=triton.next_power_of_2(group), BLOCK_Q=block_q,
         BLOCK_N=block_n, PAGE=batch.block_size, D=d, D_P2=triton.next_power_of_2(d), SEQS_P2=seqs_p2,
+        DECODE_GROUP=min(DECODE_GROUP, block_q),
         num_warps=num_warps or launch.num_warps, num_stages=num_stages or launch.num_stages,
         USE_PDL=(pdl := pdl_enabled(q.device) and t <= SMALL_ROWS), launch_pdl=pdl,
     )  # fmt: skip
