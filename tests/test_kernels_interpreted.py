@@ -34,6 +34,35 @@ def test_paged_attention_kernel_matches_reference(heads: int, kv_heads: int, dim
     """)
 
 
+def test_paged_attention_compiles_for_hopper_in_every_launch_shape() -> None:
+    """The interpreter runs a kernel's statements with numpy and lets through code the compiler refuses (a variable
+    of one type in an if's then-block and another in its else-block, for one): the attention kernel is compiled
+    here for sm_90 (no GPU needed) with each of launch_shape's choices, prompt rows and decode, two head sizes."""
+    run = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import inspect, sys
+        sys.path[:0] = ['tests', '.']
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        from engine.native import triton_attention as ta
+
+        names = list(inspect.signature(ta._paged_attention.fn).parameters)
+        pointers = {"tables_ptr": "*i32", "seq_lens_ptr": "*i64", "query_start_ptr": "*i64", "shared_ptr": "*i64"}
+        for group, dim, query, programs in [(4, 128, 64, 512), (4, 128, 1, 8), (4, 128, 1, 512), (2, 96, 64, 64)]:
+            launch = ta.launch_shape(group, query, programs, 132, dim)
+            constants = dict(GROUP=group, GROUP_P2=triton.next_power_of_2(group), BLOCK_Q=launch.block_q,
+                             BLOCK_N=launch.block_n, PAGE=16, D=dim, D_P2=triton.next_power_of_2(dim),
+                             SEQS_P2=128 if query > 1 else 0, DECODE_GROUP=min(ta.DECODE_GROUP, launch.block_q),
+                             USE_PDL=False)
+            signature = {n: "constexpr" if n in constants else pointers.get(n, "i32") for n in names}
+            signature.update({n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}, scale="fp32")
+            source = ASTSource(ta._paged_attention, signature, {(names.index(k),): v for k, v in constants.items()})
+            triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": launch.num_warps, "num_stages": launch.num_stages})
+    """)], cwd=REPO, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
 @pytest.mark.parametrize("t", [21, 75])
 def test_rope_kv_write_writes_each_token_to_its_slot(t: int) -> None:
     """A program a token at decode sizes; past them 32 tokens a program, the last block partly empty."""
