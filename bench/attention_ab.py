@@ -2,7 +2,8 @@
 prefix (the blocks every sequence's table shares), with and without decode rows, decode alone, fresh prompts; each
 timed in a CUDA graph over 32 layers' caches (llama3-8b's 32 query heads on 8 KV heads, dim 128). Steps over the
 shared prefix run twice in this tree: told the prefix (``StepBatch.shared_prefix``: walked for all rows at once) and
-not (``per_sequence``). ``--baseline FILE``: a second copy of engine/native/triton_attention.py (e.g. ``git show
+not (``per_sequence``); decode steps also through the launch of a step with prompt rows (``as_mixed``, with
+and without the shared prefix). ``--baseline FILE``: a second copy of engine/native/triton_attention.py (e.g. ``git show
 REV:engine/native/triton_attention.py``) timed beside the working tree's, twice each in turn, with the largest
 difference of their outputs from the current kernel's.
 
@@ -35,6 +36,7 @@ CASES: dict[str, tuple[list[tuple[int, int]], bool]] = {  # (context after the s
     "20 chunks of 50 + 44 decode rows over 2,000 cached": (CHUNKS + DECODES, True),
     "44 decode rows, then 20 chunks, over 2,000 cached": (DECODES + CHUNKS, True),  # the engine's order
     "44 decode rows at 2,100": (DECODES, True),
+    "64 decode rows at 2,100": ([(PREFIX + 100, 1)] * 64, True),
     "decode 1 at 300": ([(300, 1)], False),
     "decode 64 at 300": ([(300, 1)] * 64, False),
     "decode 1 at 2,000": ([(2000, 1)], False),
@@ -92,6 +94,10 @@ def main() -> None:
         variants = {"current": (current, batch)}
         if shared:
             variants["per_sequence"] = (current, replace(batch, shared_prefix=None))
+        if batch.max_query_len == 1:  # decode rows through the launch of a step with prompt rows
+            variants["as_mixed"] = (current, replace(batch, max_query_len=2))
+            if shared:
+                variants["as_mixed_per_sequence"] = (current, replace(batch, max_query_len=2, shared_prefix=None))
         if baseline:
             variants["baseline"] = (baseline, batch)
         row: dict[str, float | bool] = {}
