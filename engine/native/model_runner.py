@@ -173,6 +173,8 @@ class ModelRunner:
         if seqs < 2 or width * bs < SHARED_MIN:
             return 0
         tables = self.host_tables_np[:seqs, :width]
+        if (tables[:, 0] != tables[0, 0]).any():  # most steps that share nothing: ~7 us instead of ~25 on a slow CPU
+            return 0
         alike = (tables == tables[0]).all(axis=0)
         shared = bs * (width if alike.all() else int(alike.argmin()))
         return shared if shared >= SHARED_MIN and longest - shared <= shared else 0
