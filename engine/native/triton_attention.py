@@ -14,12 +14,13 @@ sequences. (A grid of S x ceil(T / BLOCK_Q) programs, one row of query blocks pe
 S times larger: 131,072 programs a layer for a 2,048-token graph of 128 sequences, nearly all of
 them returning at once.)
 
-A step whose sequences all hold the same blocks for their first positions (a system prompt that prefix caching
-shares; ``StepBatch.shared_prefix`` says how many positions, 0 for none) runs those positions as one attention of all
-its rows: program i takes the step's rows i * BLOCK_Q.. whatever sequences they belong to, walks the shared tiles for
-all of them at once, then each of its sequences' own positions for that sequence's rows. Per sequence, a program
-would stack a decode row's GROUP heads in a tile of BLOCK_Q * GROUP rows and a 50-row question in four 16-row blocks,
-every one of them walking the whole prefix.
+A step with prompt rows whose sequences all hold the same blocks for their first positions (a system prompt that
+prefix caching shares; ``StepBatch.shared_prefix`` says how many positions, 0 for none) walks those positions once for
+a tile of rows of several sequences (_shared_prefix_rows: the prompt rows BLOCK_Q tokens at a time whatever their
+sequences, the decode rows DECODE_GROUP sequences at a time), then each of the tile's sequences' own positions for
+that sequence's rows. Per sequence, a decode row's GROUP heads take a tile of BLOCK_Q * GROUP rows of their own and a
+50-row question four 16-row blocks, every one of them walking the whole prefix. Decode launches keep a program per
+sequence.
 
 Metadata as engine/native/attention.py's StepBatch describes it; the torch version there is the reference.
 """
