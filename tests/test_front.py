@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from processes import Worker, launch_worker, start_worker
+from processes import Worker, launch_worker, proc_status, start_worker, wait_for
 
 pytestmark = pytest.mark.xdist_group("front")
 COUNT = "Count to one hundred: one, two, three,"
@@ -42,21 +42,6 @@ def gone(pid: int) -> bool:
     return stat[stat.rindex(")") + 2] == "Z"  # a zombie has ended; its parent has not reaped it yet
 
 
-def wait_until(check, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            pytest.fail(what)
-        time.sleep(0.02)
-
-
-def rss_anon(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no RssAnon for {pid}")
-
-
 def completions(worker: Worker, prompts: list[str]) -> list[str]:
     async def run() -> list[str]:
         async with worker.client() as client:
@@ -84,7 +69,8 @@ def test_the_fronts_serve_what_one_process_serves_and_report_every_process(model
             health = client.get("/health").json()
         # The engine's private memory is every process's: the worker's (its KV cache, the model's buffers) and what
         # each front wrote on its own, not the pages the fronts still share with the worker (RssAnon counts those).
-        worker, shared_too = rss_anon(fronted.proc.pid), sum(rss_anon(pid) for pid in fronts)
+        worker = proc_status(fronted.proc.pid)["RssAnon"]
+        shared_too = sum(proc_status(pid)["RssAnon"] for pid in fronts)
         assert worker < health["private_memory_bytes"] < worker + shared_too, (health, worker, shared_too)
         assert health["status"] == "ok" and health["kv_blocks_free"] == health["kv_blocks_total"], health
     finally:
@@ -173,7 +159,7 @@ def test_a_killed_worker_takes_its_fronts_and_its_streams_with_it(model: Path, t
 
     try:
         lines, error = asyncio.run(run())
-        wait_until(lambda: all(gone(front) for front in fronts), 10, "a front outlived its worker")
+        wait_for(lambda: all(gone(front) for front in fronts), 10, "every front gone after its worker")
     finally:
         worker.stop()
     assert len(lines) >= 3
@@ -186,7 +172,7 @@ def test_a_dead_front_ends_its_worker_and_the_other_fronts_as_a_crash(model: Pat
         victim, other = fronts_of(worker)
         os.kill(victim, signal.SIGKILL)
         code = worker.exit_code(timeout=30)
-        wait_until(lambda: gone(other), 10, "the other front outlived its worker")
+        wait_for(lambda: gone(other), 10, "the other front gone after its worker")
     finally:
         worker.stop()
     assert code == 1, worker.log()
