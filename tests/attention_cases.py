@@ -1,8 +1,10 @@
-"""Paged-attention cases shared by the CPU (Triton interpreter) and GPU tests: kernel against torch reference."""
+"""Paged-attention cases shared by the CPU (Triton interpreter) and GPU tests: kernel against torch reference; what an
+engine's runner tells the kernel of a step's shared prefix."""
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -80,3 +82,18 @@ def check_paged_attention(device: torch.device, dtype: torch.dtype, heads: int, 
         got = paged_attention(q, k, v, batch, scale)[:rows].float()
         error = float((got - expected).abs().max() / expected.abs().max())
         assert error < tolerance, (name, error)
+
+
+def record_shared_prefixes(engine: Any) -> list[tuple[int, int, int]]:
+    """From now on, (sequences, rows, the shared prefix staged for the kernel) of each step the engine's runner runs
+    (engine/native/model_runner.py, ``_shared_prefix``), read from the staged host buffer once the step is launched."""
+    runner, told = engine.runner, []
+    run = runner.run
+
+    def recording_run(step, every_token=frozenset(), drawn=None):  # type: ignore[no-untyped-def]
+        out = run(step, every_token, drawn)
+        told.append((len(step), sum(w.count for w in step), int(runner.host_np[runner.offsets["shared"]])))
+        return out
+
+    runner.run = recording_run
+    return told

@@ -169,23 +169,12 @@ def test_a_step_of_questions_after_a_cached_prefix_tells_attention_the_blocks_th
     holds in the same blocks (the kernel then walks them for all rows at once): a cached system prompt's whole blocks
     for questions after it; none once a sequence of its own is in the step, under SHARED_MIN positions, or for a
     step of decode rows."""
+    from attention_cases import record_shared_prefixes
+
     from engine.native.model_runner import SHARED_MIN
 
-    def recorded(engine: LLMEngine) -> list[tuple[int, int, int]]:
-        """(sequences, rows, shared positions) of each step the engine runs."""
-        runner, told = engine.runner, []
-        run = runner.run
-
-        def recording_run(step, every_token=frozenset(), drawn=None):
-            out = run(step, every_token, drawn)
-            told.append((len(step), sum(w.count for w in step), int(runner.meta[runner.offsets["shared"]])))
-            return out
-
-        runner.run = recording_run
-        return told
-
     engine = _engine(demo_path("bf16"), max_model_len=512)
-    told = recorded(engine)
+    told = record_shared_prefixes(engine)
     system = tokenizer.encode("You are a helpful assistant who answers briefly and precisely. " * 30).ids
     assert len(system) >= SHARED_MIN + 16
     shared = len(system) // 16 * 16
@@ -202,7 +191,7 @@ def test_a_step_of_questions_after_a_cached_prefix_tells_attention_the_blocks_th
     assert told[0][0] == 2 and told[0][2] == 0  # a sequence of its own in the step
 
     engine = _engine(demo_path("bf16"), max_model_len=512)
-    told = recorded(engine)
+    told = record_shared_prefixes(engine)
     few = [system[: SHARED_MIN - 16] + tokenizer.encode(q).ids for q in ["Why?", "Who?"]]
     engine.generate(few[:1], params)
     told.clear()

@@ -116,6 +116,8 @@ def test_questions_over_a_shared_cached_prefix_get_the_tokens_of_attention_a_seq
 ) -> None:
     """Prefix caching's shared blocks walked for every row of a step at once (StepBatch.shared_prefix) give the same
     greedy tokens as the same steps walking each sequence's blocks (SHARED_MIN out of reach), graphed and eager."""
+    from attention_cases import record_shared_prefixes
+
     from engine.config import EngineConfig
     from engine.native import model_runner
     from engine.native.llm_engine import LLMEngine
@@ -131,19 +133,11 @@ def test_questions_over_a_shared_cached_prefix_get_the_tokens_of_attention_a_seq
                               max_num_batched_tokens=512, cuda_graphs=graphs)  # fmt: skip
         engine = LLMEngine(config)
         engine.generate(prompts[:1], params)  # the prefix, cached
-        runner, told = engine.runner, []
-        run = runner.run
-
-        def recording_run(step, every_token=frozenset(), drawn=None):  # type: ignore[no-untyped-def]
-            out = run(step, every_token, drawn)
-            told.append(int(runner.host_np[runner.offsets["shared"]]))
-            return out
-
-        runner.run = recording_run  # type: ignore[method-assign]
+        told = record_shared_prefixes(engine)
         out = engine.generate(prompts, params)
         del engine
         torch.cuda.empty_cache()
-        return out, told
+        return out, [shared for _, _, shared in told]
 
     for graphs in (True, False):
         with monkeypatch.context() as patch:

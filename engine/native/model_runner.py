@@ -166,8 +166,8 @@ class ModelRunner:
         """The positions the kernel walks for every query row of a step with prompt rows at once (engine/native/
         triton_attention.py): the first whole blocks that all ``seqs`` sequences' staged tables hold alike, before
         each one's rows (``before``: the fewest positions before a sequence's rows). 0 unless there are at least
-        SHARED_MIN of them and no sequence's own positions past them (up to ``longest``) outnumber them: the kernel
-        walks those a sequence at a time, and a block of 16 decode rows has 16 sequences."""
+        SHARED_MIN of them and no sequence's own positions past them (up to ``longest``) outnumber them: a program
+        walks those for each of its tile's sequences in turn (four decode rows' sequences, or a 16-token block's)."""
         bs = self.block_size
         width = before // bs
         if seqs < 2 or width * bs < SHARED_MIN:
