@@ -164,11 +164,16 @@ def test_prefix_caching_changes_no_greedy_token(demo_path, tokenizer) -> None:
     assert tight.kv_blocks_free == tight.kv_blocks_total
 
 
-def test_a_step_of_questions_after_a_cached_prefix_tells_attention_the_blocks_they_share(demo_path, tokenizer) -> None:
+def test_a_step_of_questions_after_a_cached_prefix_tells_attention_the_blocks_they_share(
+    demo_path, tokenizer, caplog
+) -> None:
     """The runner tells the attention kernel how many first positions every sequence of a step with prompt rows
     holds in the same blocks (the kernel then walks them for all rows at once): a cached system prompt's whole blocks
     for questions after it; none once a sequence of its own is in the step, under SHARED_MIN positions, or for a
-    step of decode rows."""
+    step of decode rows. The engine's step trace says it, with each step's launch on the host's monotonic clock."""
+    import re
+    import time
+
     from attention_cases import record_shared_prefixes
 
     from engine.native.model_runner import SHARED_MIN
@@ -183,8 +188,17 @@ def test_a_step_of_questions_after_a_cached_prefix_tells_attention_the_blocks_th
     engine.generate(questions[:1], params)  # computes the prefix: one sequence, sharing with no one
     assert [shared_ for _, _, shared_ in told] == [0, 0, 0]
     told.clear()
-    engine.generate(questions, params)  # the three questions' rows over the cached prefix, then decode steps
+    engine.stats.trace(time.perf_counter())  # as an activation does: the next steps logged one by one
+    before = time.monotonic()
+    with caplog.at_level("INFO", logger="warmgate.engine"):
+        engine.generate(questions, params)  # the three questions' rows over the cached prefix, then decode steps
+    after = time.monotonic()
     assert told[0][0] == 3 and told[0][1] > 3 and told[0][2] == shared
+    traced = [r.getMessage() for r in caplog.records if "event=step_after_activation" in r.getMessage()]
+    assert len(traced) == len(told), traced
+    fields = [dict(re.findall(r"(\w+)=(\S+)", line)) for line in traced]
+    assert [(int(f["seqs"]), int(f["tokens"]), int(f["shared"])) for f in fields] == told, traced
+    assert before <= float(fields[0]["launched_at"]) <= after, (before, traced[0], after)
     assert all(shared_ == 0 for _, _, shared_ in told[1:])  # decode rows: the kernel walks each sequence
     told.clear()
     engine.generate([questions[1], tokenizer.encode("Something else entirely, " * 20).ids], params)

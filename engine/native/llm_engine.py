@@ -349,6 +349,7 @@ class LLMEngine(EngineThread[Sequence]):
         scoring = frozenset(i for i, work in enumerate(step) if _scores_prompt(work))
         tokens = before.drawn.tokens if before is not None and before.drawn is not None else None
         out = self.runner.run(step, scoring, tokens)
+        self.stats.staged(began, self.runner.shared)
         self.scheduler.computed(step)
         for row, i in enumerate(rows):
             seq = step[i].seq
@@ -454,7 +455,8 @@ class StepStats:
         self.engine = engine
         self.queried = self.hit = 0  # the allocator's prefix-cache counters at the last engine_stats line
         self._activated_at: float | None = None  # the steps after it are logged one by one, TRACED_STEPS of them
-        self._traced: dict[float, tuple[int, int, int]] = {}  # launch time -> (tokens, prompt tokens, sequences)
+        # launch time -> [tokens, prompt tokens, sequences, the shared prefix staged for attention]
+        self._traced: dict[float, list[int]] = {}
         self._traces_left = 0
         self._reset(time.perf_counter())
 
@@ -484,8 +486,13 @@ class StepStats:
         self.prompt_tokens += prompt
         began = time.perf_counter()
         if self._traces_left > len(self._traced):
-            self._traced[began] = (sum(w.count for w in step), prompt, len(step))
+            self._traced[began] = [sum(w.count for w in step), prompt, len(step), 0]
         return began
+
+    def staged(self, began: float, shared: int) -> None:
+        """The step launched at ``began`` told attention of a shared prefix of ``shared`` positions (0: none)."""
+        if began in self._traced:
+            self._traced[began][3] = shared
 
     def device_time(self, began: float, seconds: float, next_began: float | None) -> None:
         """The device's time on the step launched at ``began``, read once it is done; ``next_began``: when the step
@@ -498,9 +505,10 @@ class StepStats:
         if size is not None and self._activated_at is not None:
             self._traces_left -= 1
             since = self._activated_at
+            # launched_at: the host's monotonic clock (perf_counter's on Linux), as the request lines' received_at
             log_event(log, "step_after_activation", launched_ms=1e3 * (began - since),
                       read_ms=1e3 * (time.perf_counter() - since), device_ms=1e3 * seconds, tokens=size[0],
-                      prompt_tokens=size[1], seqs=size[2])  # fmt: skip
+                      prompt_tokens=size[1], seqs=size[2], shared=size[3], launched_at=f"{began:.4f}")  # fmt: skip
 
     def step_done(self, took: float) -> None:
         """One turn of the engine thread (``_step``) took ``took`` seconds."""

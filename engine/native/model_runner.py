@@ -112,6 +112,7 @@ class ModelRunner:
         self.mixed_sizes = mixed_buckets(self.max_tokens)
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.capture_parts: dict[str, float] = {}  # host seconds spent warming up, capturing, replaying graphs
+        self.shared = 0  # the last staged step's shared prefix (StepBatch.shared_prefix)
 
     # -- inputs ----------------------------------------------------------------------------
 
@@ -153,7 +154,8 @@ class ModelRunner:
             self.host_tables_np[i, : len(table)] = table
             t += n
         real = len(step)
-        h[o["shared"]] = self._shared_prefix(real, before, longest) if t > real else 0  # steps with prompt rows
+        self.shared = self._shared_prefix(real, before, longest) if t > real else 0  # steps with prompt rows
+        h[o["shared"]] = self.shared
         tok[t:tokens] = 0
         pos[t:tokens] = 0
         slot[t:tokens] = 0  # the null block
