@@ -714,6 +714,20 @@ class LogWatch:
                         out.append((float(at), None if ttft == b"-" else float(ttft)))
         return out
 
+    def traced_steps(self) -> list[dict[str, float]]:
+        """The engines' `event=step_after_activation` lines since the mark that carry `launched_at` (the host's
+        monotonic clock): each traced step's launch, device ms, tokens, prompt tokens, sequences and the shared prefix
+        its attention walked once (WARMGATE_TRACED_STEPS in the server's environment says how many steps are traced)."""
+        out = []
+        for text in self._since_mark().values():
+            for line in text.splitlines():
+                if b"event=step_after_activation " in line:
+                    fields = {k.decode(): v for k, v in FIELD.findall(line)}
+                    if "launched_at" in fields:
+                        out.append({k: float(fields[k]) for k in ("launched_at", "device_ms", "tokens",
+                                                                  "prompt_tokens", "seqs", "shared")})  # fmt: skip
+        return out
+
     def engine_steps(self) -> dict[str, float | None] | None:
         """The engines' `engine_stats` lines since the mark, weighted by their steps: step and device times, and the
         device's idle share between steps that followed one another."""
@@ -779,6 +793,22 @@ def engine_side(recs: list[dict[str, Any]], requests: list[tuple[float, float | 
     return {"ttft": ms_stats([ttft / 1e3 for _, ttft in mine]),
             "way_in": ms_stats([at - sent for (at, _), sent in zip(mine, sends, strict=True)]),
             "way_back": ms_stats([c - e for c, e in zip(client_first, engine_first, strict=True)])}  # fmt: skip
+
+
+def prompt_steps(recs: list[dict[str, Any]], traced: list[dict[str, float]]) -> dict[str, Any] | None:
+    """The traced steps with prompt rows launched within the level (LogWatch.traced_steps, on the clients' clock):
+    how many, how many walked a shared prefix once (and how long it was), their mean device ms and rows."""
+    if not recs:
+        return None
+    first, last = min(r["start"] for r in recs), max(r["end"] for r in recs)
+    steps = [s for s in traced if first <= s["launched_at"] <= last and s["prompt_tokens"] > 0]
+    if not steps:
+        return None
+    shared = [s for s in steps if s["shared"] > 0]
+    return {"steps": len(steps), "shared_steps": len(shared),
+            "shared_positions": max((s["shared"] for s in shared), default=0),
+            "device_ms_mean": round(statistics.fmean(s["device_ms"] for s in steps), 2),
+            "tokens_mean": round(statistics.fmean(s["tokens"] for s in steps), 1)}  # fmt: skip
 
 
 def level_stats(concurrency: int, recs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -1024,6 +1054,7 @@ class Bench:
                   "memory": {e.get("id"): e.get("memory") for e in (after or {}).get("engines") or []},
                   "engine_steps": self.logs.engine_steps(),
                   "engine_side": engine_side([r for r in recs if r["ok"]], self.logs.requests()),
+                  "prompt_steps": prompt_steps(recs, self.logs.traced_steps()),
                   "gpu_processes": gpu_processes(),
                   "samples": compact(recs, a.started)}  # fmt: skip
         result["levels"].append(record)
@@ -1123,6 +1154,12 @@ def markdown(result: dict[str, Any]) -> str:
                          f"{fmt(side['ttft']['p50_ms'])} (from its front's receipt); the way in (a client's send to "
                          f"that receipt) p50 {fmt(side['way_in']['p50_ms'])} / p99 {fmt(side['way_in']['p99_ms'])}; "
                          f"the way back p50 {fmt(side['way_back']['p50_ms'])} / p99 {fmt(side['way_back']['p99_ms'])}")
+    for s in result["levels"]:
+        if steps := s.get("prompt_steps"):
+            lines.append(f"\n{s['target']} {s['concurrency']} {s.get('variant', 'plain')}: {steps['steps']} traced "
+                         f"steps with prompt rows, {steps['shared_steps']} of them over a shared prefix walked once "
+                         f"({steps['shared_positions']:.0f} positions); {steps['tokens_mean']} tokens and "
+                         f"{steps['device_ms_mean']} ms of device time a step")
     lines.append("\n(TTFT and TPOT in ms; failed: no `[DONE]`, an error event, or usage.completion_tokens != "
                  f"{a['output_len']}; crash restarts: /admin/status restarts with reason crash during the level, "
                  "warm-up included; engine_hung: `event=engine_hung` log lines)\n")  # fmt: skip
