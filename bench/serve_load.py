@@ -811,6 +811,25 @@ def prompt_steps(recs: list[dict[str, Any]], traced: list[dict[str, float]]) -> 
             "tokens_mean": round(statistics.fmean(s["tokens"] for s in steps), 1)}  # fmt: skip
 
 
+def level_notes(s: dict[str, Any]) -> list[str]:
+    """A level's lines under the table, as it has the figures: TTFT by round, the time in and on the way to the
+    engine, the traced steps with prompt rows."""
+    notes = []
+    if len(rounds := s.get("ttft_by_round") or []) > 1:
+        notes.append(f"TTFT p50 by round of {s['concurrency']} requests in sending order: "
+                     f"{', '.join(fmt(r) for r in rounds)}")  # fmt: skip
+    if side := s.get("engine_side"):
+        notes.append(f"in the engine, TTFT p50 {fmt(side['ttft']['p50_ms'])} (from its front's receipt); the way in (a "
+                     f"client's send to that receipt) p50 {fmt(side['way_in']['p50_ms'])} / p99 "
+                     f"{fmt(side['way_in']['p99_ms'])}; the way back p50 {fmt(side['way_back']['p50_ms'])} / p99 "
+                     f"{fmt(side['way_back']['p99_ms'])}")  # fmt: skip
+    if steps := s.get("prompt_steps"):
+        notes.append(f"{steps['steps']} traced steps with prompt rows, {steps['shared_steps']} of them over a shared "
+                     f"prefix walked once ({steps['shared_positions']:.0f} positions); {steps['tokens_mean']} tokens "
+                     f"and {steps['device_ms_mean']} ms of device time a step")  # fmt: skip
+    return notes
+
+
 def level_stats(concurrency: int, recs: list[dict[str, Any]]) -> dict[str, Any]:
     ok = [r for r in recs if r["ok"]]
     wall = max(r["end"] for r in recs) - min(r["start"] for r in recs) if recs else 0.0
@@ -1145,21 +1164,7 @@ def markdown(result: dict[str, Any]) -> str:
                      f"{fmt(s['ttft']['p99_ms'])} | {fmt(s['tpot']['p50_ms'], '.2f')} | "
                      f"{fmt(s['tpot']['p99_ms'], '.2f')} | {fmt(s['crash_restarts'], 'd')} | {hung} |")  # fmt: skip
     for s in result["levels"]:
-        if len(rounds := s.get("ttft_by_round") or []) > 1:
-            lines.append(f"\n{s['target']} {s['concurrency']} {s.get('variant', 'plain')}: TTFT p50 by round of "
-                         f"{s['concurrency']} requests in sending order: {', '.join(fmt(r) for r in rounds)}")
-    for s in result["levels"]:
-        if side := s.get("engine_side"):
-            lines.append(f"\n{s['target']} {s['concurrency']} {s.get('variant', 'plain')}: in the engine, TTFT p50 "
-                         f"{fmt(side['ttft']['p50_ms'])} (from its front's receipt); the way in (a client's send to "
-                         f"that receipt) p50 {fmt(side['way_in']['p50_ms'])} / p99 {fmt(side['way_in']['p99_ms'])}; "
-                         f"the way back p50 {fmt(side['way_back']['p50_ms'])} / p99 {fmt(side['way_back']['p99_ms'])}")
-    for s in result["levels"]:
-        if steps := s.get("prompt_steps"):
-            lines.append(f"\n{s['target']} {s['concurrency']} {s.get('variant', 'plain')}: {steps['steps']} traced "
-                         f"steps with prompt rows, {steps['shared_steps']} of them over a shared prefix walked once "
-                         f"({steps['shared_positions']:.0f} positions); {steps['tokens_mean']} tokens and "
-                         f"{steps['device_ms_mean']} ms of device time a step")
+        lines += [f"\n{s['target']} {s['concurrency']} {s.get('variant', 'plain')}: {note}" for note in level_notes(s)]
     lines.append("\n(TTFT and TPOT in ms; failed: no `[DONE]`, an error event, or usage.completion_tokens != "
                  f"{a['output_len']}; crash restarts: /admin/status restarts with reason crash during the level, "
                  "warm-up included; engine_hung: `event=engine_hung` log lines)\n")  # fmt: skip
