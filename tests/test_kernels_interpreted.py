@@ -3,14 +3,18 @@
 The GPU runs the compiled kernels (tests/test_gpu.py); here CI checks the same code paths the GPU
 takes for paged attention (decode, prompts, later chunks, graph-shaped launches) and the fused
 rotary + KV write, in float32. Each test runs in a fresh interpreter process: kernels are bound to
-the interpreter when their module is imported.
+the interpreter when their module is imported. Every launch a test's code makes is then compiled for
+sm_90 in another process (Triton's compiler and ptxas need no GPU): the interpreter runs code that
+the compiler refuses, and the H200 is lent for minutes.
 """
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 import textwrap
+from pathlib import Path
 
 import pytest
 from processes import REPO
@@ -19,10 +23,20 @@ pytest.importorskip("triton")
 
 
 def _interpreted(code: str) -> None:
-    prelude = "import sys; sys.path[:0] = ['tests', '.']\nimport triton_interpreter; triton_interpreter.enable()\n"
-    run = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], cwd=REPO, capture_output=True,
-                         text=True, timeout=600)  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
+    """Run ``code`` with the kernels in Triton's interpreter, then compile each kernel launch it made for sm_90 (the
+    interpreter runs code that the compiler refuses: tests/triton_interpreter.py)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        launches = str(Path(tmp) / "launches.jsonl")
+        prelude = ("import sys; sys.path[:0] = ['tests', '.']\nimport triton_interpreter; triton_interpreter.enable(); "
+                   f"triton_interpreter.record_launches({launches!r})\n")  # fmt: skip
+        run = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], cwd=REPO, capture_output=True,
+                             text=True, timeout=600)  # fmt: skip
+        assert run.returncode == 0, run.stderr[-3000:]
+        compiled = subprocess.run([sys.executable, "-c", "import sys; sys.path[:0] = ['tests', '.']\nimport "
+                                   f"triton_interpreter; print(triton_interpreter.compile_launches({launches!r}))"],
+                                  cwd=REPO, capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert compiled.returncode == 0, compiled.stderr[-3000:]
+        assert int(compiled.stdout.split()[-1]) > 0, "no kernel launch recorded"
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 8, 32), (12, 2, 48)])
@@ -34,31 +48,33 @@ def test_paged_attention_kernel_matches_reference(heads: int, kv_heads: int, dim
     """)
 
 
-def test_paged_attention_compiles_for_hopper_in_every_launch_shape() -> None:
-    """The interpreter runs a kernel's statements with numpy and lets through code the compiler refuses (a variable
-    of one type in an if's then-block and another in its else-block, for one): the attention kernel is compiled
-    here for sm_90 (no GPU needed) with each of launch_shape's choices, prompt rows and decode, two head sizes."""
-    run = subprocess.run([sys.executable, "-c", textwrap.dedent("""
-        import inspect, sys
+def test_paged_attention_compiles_for_hopper_in_every_launch_shape(tmp_path: Path) -> None:
+    """The attention kernel as the H200 launches it (bf16, head dim 128, each of launch_shape's choices for prompt
+    rows and decode; 96 for a head size not a power of two) compiles for sm_90: the interpreted tests compile their
+    own launches, in float32 and smaller shapes."""
+    launches = tmp_path / "launches.jsonl"
+    run = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+        import json, sys
         sys.path[:0] = ['tests', '.']
-        import triton
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
+        import triton, triton_interpreter
         from engine.native import triton_attention as ta
 
-        names = list(inspect.signature(ta._paged_attention.fn).parameters)
-        pointers = {"tables_ptr": "*i32", "seq_lens_ptr": "*i64", "query_start_ptr": "*i64", "shared_ptr": "*i64"}
+        lines = []
         for group, dim, query, programs in [(4, 128, 64, 512), (4, 128, 1, 8), (4, 128, 1, 512), (2, 96, 64, 64)]:
             launch = ta.launch_shape(group, query, programs, 132, dim)
+            signature = dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "out_ptr"), "*bf16")
+            signature.update(tables_ptr="*i32", seq_lens_ptr="*i64", query_start_ptr="*i64", shared_ptr="*i64",
+                             scale="fp32", seqs="i32", **dict.fromkeys(("stride_qt", "stride_qh", "stride_ks",
+                             "stride_kh", "stride_ot", "stride_oh", "stride_table"), "i32"))
             constants = dict(GROUP=group, GROUP_P2=triton.next_power_of_2(group), BLOCK_Q=launch.block_q,
                              BLOCK_N=launch.block_n, PAGE=16, D=dim, D_P2=triton.next_power_of_2(dim),
                              SEQS_P2=128 if query > 1 else 0, DECODE_GROUP=min(ta.DECODE_GROUP, launch.block_q),
                              USE_PDL=False)
-            signature = {n: "constexpr" if n in constants else pointers.get(n, "i32") for n in names}
-            signature.update({n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}, scale="fp32")
-            source = ASTSource(ta._paged_attention, signature, {(names.index(k),): v for k, v in constants.items()})
-            triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": launch.num_warps, "num_stages": launch.num_stages})
+            lines.append(json.dumps(dict(module=ta.__name__, name="_paged_attention", signature=signature,
+                                         constants=constants, options=dict(num_warps=launch.num_warps,
+                                                                           num_stages=launch.num_stages))))
+        open({str(launches)!r}, "w").write("\\n".join(lines) + "\\n")
+        assert triton_interpreter.compile_launches({str(launches)!r}) == 4
     """)], cwd=REPO, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
 
