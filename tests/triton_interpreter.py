@@ -56,6 +56,7 @@ def record_launches(path: str) -> None:
         options = {k: kwargs.pop(k) for k in LAUNCH_OPTIONS if k in kwargs}
         launch_only = {k: kwargs.pop(k) for k in list(kwargs) if k not in parameters}
         bound = inspect.signature(self.fn).bind(*args, **kwargs)
+        bound.apply_defaults()
         signature, constants = {}, {}
         for name, value in bound.arguments.items():
             if "constexpr" in str(parameters[name].annotation):
