@@ -530,11 +530,11 @@ async def test_a_standby_build_stopped_as_its_start_ends_is_not_kept_and_its_exi
         await h.until(lambda: ("start", 3) in h.launcher.log and build.process is not None
                       and build.process.returncode is not None, "the build stopped, the restart's engine starting")
         h.launcher.hold[2].set()  # its start reports ready after all, while the restart has not switched yet
-        await asyncio.sleep(0.05)
+        await h.until(lambda: build.state is not EngineState.STARTING, "the build's late start handled")
         h.launcher.hold[3].set()
         report = await restart
         assert report.ok and report.engine == 3, report
-        await asyncio.sleep(0.05)
+        await h.until(lambda: build.state in (EngineState.STOPPED, EngineState.FAILED), "the build's exit handled")
         assert h.reconciler.metrics.crashes._value.get() == 0  # type: ignore[attr-defined]
         assert build not in h.reconciler.standbys() and build.state is not EngineState.STANDBY
     finally:

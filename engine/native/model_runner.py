@@ -130,10 +130,8 @@ class ModelRunner:
         logits, starts, lengths = h[o["logits"] :], h[o["starts"] :], h[o["lengths"] :]
         into, source = h[o["into"] :], h[o["from"] :]
         t = copied = 0
-        before, longest = 1 << 62, 0  # the fewest positions before a sequence's rows; the longest sequence
         for i, work in enumerate(step):
             seq, start, n = work.seq, work.start, work.count
-            before, longest = min(before, start), max(longest, start + n)
             table = seq.blocks
             if n == 1:
                 if start < seq.known:
@@ -154,7 +152,7 @@ class ModelRunner:
             self.host_tables_np[i, : len(table)] = table
             t += n
         real = len(step)
-        self.shared = self._shared_prefix(real, before, longest) if t > real else 0  # steps with prompt rows
+        self.shared = self._shared_prefix(step) if t > real else 0  # steps with prompt rows only: decode's stay lean
         h[o["shared"]] = self.shared
         tok[t:tokens] = 0
         pos[t:tokens] = 0
@@ -164,14 +162,14 @@ class ModelRunner:
         logits[real:seqs] = 0
         return copied
 
-    def _shared_prefix(self, seqs: int, before: int, longest: int) -> int:
+    def _shared_prefix(self, step: list[Scheduled]) -> int:
         """The positions the kernel walks for every query row of a step with prompt rows at once (engine/native/
-        triton_attention.py): the first whole blocks that all ``seqs`` sequences' staged tables hold alike, before
-        each one's rows (``before``: the fewest positions before a sequence's rows). 0 unless there are at least
-        SHARED_MIN of them and no sequence's own positions past them (up to ``longest``) outnumber them: a program
-        walks those for each of its tile's sequences in turn (four decode rows' sequences, or a 16-token block's)."""
-        bs = self.block_size
-        width = before // bs
+        triton_attention.py): the first whole blocks that all the step's sequences' staged tables hold alike, before
+        each one's rows. 0 unless there are at least SHARED_MIN of them and no sequence's own positions past them
+        outnumber them: a program walks those for each of its tile's sequences in turn (four decode rows'
+        sequences, or a 16-token block's)."""
+        bs, seqs = self.block_size, len(step)
+        width = min(work.start for work in step) // bs
         if seqs < 2 or width * bs < SHARED_MIN:
             return 0
         tables = self.host_tables_np[:seqs, :width]
@@ -179,6 +177,7 @@ class ModelRunner:
             return 0
         alike = (tables == tables[0]).all(axis=0)
         shared = bs * (width if alike.all() else int(alike.argmin()))
+        longest = max(work.start + work.count for work in step)
         return shared if shared >= SHARED_MIN and longest - shared <= shared else 0
 
     def _batch(self, tokens: int, seqs: int, max_query_len: int) -> StepBatch:
