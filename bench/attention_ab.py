@@ -5,7 +5,8 @@ shared prefix run twice in this tree: told the prefix (``StepBatch.shared_prefix
 not (``per_sequence``); decode steps also through the launch of a step with prompt rows (``as_mixed``, with
 and without the shared prefix). ``--baseline FILE``: a second copy of engine/native/triton_attention.py (e.g. ``git show
 REV:engine/native/triton_attention.py``) timed beside the working tree's, twice each in turn, with the largest
-difference of their outputs from the current kernel's.
+difference of their outputs from the current kernel's. ``--launches q32_w8,dg8,...``: launch choices of LAUNCHES
+tried too on the steps that walk a shared prefix once (the current launch's and decode's ``as_mixed``).
 
     PYTHONPATH=/tmp/site:$PWD python3 bench/attention_ab.py --out $OUT/ab.json [--baseline /tmp/old_attention.py]
 """
@@ -42,6 +43,18 @@ CASES: dict[str, tuple[list[tuple[int, int]], bool]] = {  # (context after the s
     "decode 1 at 2,000": ([(2000, 1)], False),
     "fresh 1 x 1,024": ([(1024, 1024)], False),
     "fresh 4 x 512": ([(512, 512)] * 4, False),
+}
+# Launch choices other than launch_shape's for the shared walk (paged_attention's keyword arguments): query tiles of
+# 32 tokens, 8 warps, 3 stages, other key tiles, decode rows of 8 or 16 sequences to a tile.
+LAUNCHES: dict[str, dict[str, int]] = {
+    "q32_w8": {"block_q": 32, "num_warps": 8},
+    "w8": {"num_warps": 8},
+    "s3": {"num_stages": 3},
+    "n32": {"block_n": 32},
+    "n128_w8": {"block_n": 128, "num_warps": 8},
+    "dg8": {"decode_group": 8},
+    "dg16": {"decode_group": 16},
+    "q32_w8_dg8": {"block_q": 32, "num_warps": 8, "decode_group": 8},
 }
 
 
@@ -80,7 +93,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--baseline", type=Path, help="another triton_attention.py to time beside this tree's")
+    parser.add_argument("--launches", default="", help="names from LAUNCHES, comma-separated")
     args = parser.parse_args()
+    launches = {name: LAUNCHES[name] for name in filter(None, args.launches.split(","))}
     device = torch.device("cuda")
     baseline = load(args.baseline) if args.baseline else None
     results: dict[str, dict[str, float | bool]] = {}
@@ -90,29 +105,33 @@ def main() -> None:
                    torch.randn(blocks * PAGE, KV_HEADS, DIM, device=device, dtype=torch.bfloat16))
                   for _ in range(LAYERS)]  # fmt: skip
         q = torch.randn(rows, HEADS, DIM, device=device, dtype=torch.bfloat16)
-        # label -> (kernel module, the step's metadata)
-        variants = {"current": (current, batch)}
+        # label -> (kernel module, the step's metadata, launch choices)
+        variants: dict[str, tuple[ModuleType, StepBatch, dict[str, int]]] = {"current": (current, batch, {})}
         if shared:
-            variants["per_sequence"] = (current, replace(batch, shared_prefix=None))
+            variants["per_sequence"] = (current, replace(batch, shared_prefix=None), {})
         if batch.max_query_len == 1:  # decode rows through the launch of a step with prompt rows
-            variants["as_mixed"] = (current, replace(batch, max_query_len=2))
+            variants["as_mixed"] = (current, replace(batch, max_query_len=2), {})
             if shared:
-                variants["as_mixed_per_sequence"] = (current, replace(batch, max_query_len=2, shared_prefix=None))
+                variants["as_mixed_per_sequence"] = (current, replace(batch, max_query_len=2, shared_prefix=None), {})
+        if shared:
+            walked_once = "as_mixed" if batch.max_query_len == 1 else "current"
+            for name, choices in launches.items():
+                variants[f"{walked_once}+{name}"] = (current, variants[walked_once][1], choices)
         if baseline:
-            variants["baseline"] = (baseline, batch)
+            variants["baseline"] = (baseline, batch, {})
         row: dict[str, float | bool] = {}
         for turn in range(2):
-            for label, (kernel, meta) in variants.items():
-                def step(kernel: ModuleType = kernel, meta: StepBatch = meta,
+            for label, (kernel, meta, choices) in variants.items():
+                def step(kernel: ModuleType = kernel, meta: StepBatch = meta, choices: dict[str, int] = choices,
                          caches: list[tuple[torch.Tensor, torch.Tensor]] = caches) -> None:  # fmt: skip
                     for k, v in caches:
-                        kernel.paged_attention(q, k, v, meta, DIM**-0.5)
+                        kernel.paged_attention(q, k, v, meta, DIM**-0.5, **choices)
 
                 row[f"{label}_us" + ("_again" if turn else "")] = round(graphed_us(step, 5), 1)
         first = current.paged_attention(q, *caches[0], batch, DIM**-0.5).float()
-        for label, (kernel, meta) in variants.items():
+        for label, (kernel, meta, choices) in variants.items():
             if label != "current":
-                other = kernel.paged_attention(q, *caches[0], meta, DIM**-0.5).float()
+                other = kernel.paged_attention(q, *caches[0], meta, DIM**-0.5, **choices).float()
                 row[f"{label}_max_abs_difference"] = float((first - other).abs().max())
                 row[f"{label}_identical"] = bool(torch.equal(first, other))
         results[name] = row

@@ -252,9 +252,10 @@ def _none_shared(device: torch.device) -> torch.Tensor:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: StepBatch, scale: float,
                     block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                    block_q: int | None = None) -> torch.Tensor:  # fmt: skip
+                    block_q: int | None = None, decode_group: int = DECODE_GROUP) -> torch.Tensor:  # fmt: skip
     """q [T, heads, d] against one layer's cache [slots, kv_heads, d] -> [T, heads * d]. ``block_n``, ``num_warps``,
-    ``num_stages``, ``block_q``: launch choices other than launch_shape's (bench/attention_decode.py sweeps them)."""
+    ``num_stages``, ``block_q``, ``decode_group``: launch choices other than launch_shape's and DECODE_GROUP
+    (bench/attention_decode.py and bench/attention_ab.py try them)."""
     t, heads, d = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
@@ -272,7 +273,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
         batch.block_tables.stride(0), GROUP=group, GROUP_P2=triton.next_power_of_2(group), BLOCK_Q=block_q,
         BLOCK_N=block_n, PAGE=batch.block_size, D=d, D_P2=triton.next_power_of_2(d), SEQS_P2=seqs_p2,
-        DECODE_GROUP=min(DECODE_GROUP, block_q),
+        DECODE_GROUP=min(decode_group, block_q),
         num_warps=num_warps or launch.num_warps, num_stages=num_stages or launch.num_stages,
         USE_PDL=(pdl := pdl_enabled(q.device) and t <= SMALL_ROWS), launch_pdl=pdl,
     )  # fmt: skip
