@@ -10,6 +10,7 @@ the compiler refuses, and the H200 is lent for minutes.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import tempfile
@@ -32,8 +33,8 @@ def _interpreted(code: str) -> None:
         run = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], cwd=REPO, capture_output=True,
                              text=True, timeout=600)  # fmt: skip
         assert run.returncode == 0, run.stderr[-3000:]
-        compiled = subprocess.run([sys.executable, "-c", "import sys; sys.path[:0] = ['tests', '.']\nimport "
-                                   f"triton_interpreter; print(triton_interpreter.compile_launches({launches!r}))"],
+        compile_code = f"import triton_interpreter; print(len(triton_interpreter.compile_launches({launches!r})))"
+        compiled = subprocess.run([sys.executable, "-c", "import sys; sys.path[:0] = ['tests', '.']\n" + compile_code],
                                   cwd=REPO, capture_output=True, text=True, timeout=600)  # fmt: skip
         assert compiled.returncode == 0, compiled.stderr[-3000:]
         assert int(compiled.stdout.split()[-1]) > 0, "no kernel launch recorded"
@@ -50,8 +51,9 @@ def test_paged_attention_kernel_matches_reference(heads: int, kv_heads: int, dim
 
 def test_paged_attention_compiles_for_hopper_in_every_launch_shape(tmp_path: Path) -> None:
     """The attention kernel as the H200 launches it (bf16, head dim 128, each of launch_shape's choices for prompt
-    rows and decode; 96 for a head size not a power of two) compiles for sm_90: the interpreted tests compile their
-    own launches, in float32 and smaller shapes."""
+    rows and decode; 96 for a head size not a power of two; pointers and strides divisible by 16, as the JIT
+    specializes them there) compiles for sm_90: the interpreted tests compile their own launches, in float32 and
+    smaller shapes."""
     launches = tmp_path / "launches.jsonl"
     run = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
         import json, sys
@@ -70,11 +72,12 @@ def test_paged_attention_compiles_for_hopper_in_every_launch_shape(tmp_path: Pat
                              BLOCK_N=launch.block_n, PAGE=16, D=dim, D_P2=triton.next_power_of_2(dim),
                              SEQS_P2=128 if query > 1 else 0, DECODE_GROUP=min(ta.DECODE_GROUP, launch.block_q),
                              USE_PDL=False)
+            divisible = [name for name in signature if name.endswith("_ptr") or name.startswith("stride")]
             lines.append(json.dumps(dict(module=ta.__name__, name="_paged_attention", signature=signature,
-                                         constants=constants, options=dict(num_warps=launch.num_warps,
-                                                                           num_stages=launch.num_stages))))
+                                         constants=constants, divisible=divisible,
+                                         options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages))))
         open({str(launches)!r}, "w").write("\\n".join(lines) + "\\n")
-        assert triton_interpreter.compile_launches({str(launches)!r}) == 4
+        assert len(triton_interpreter.compile_launches({str(launches)!r})) == 4
     """)], cwd=REPO, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
 
@@ -195,3 +198,24 @@ def test_split_argmax_is_the_first_index_of_each_rows_max() -> None:
         x[4, 19999] = 70.0
         assert argmax(x).tolist() == x.argmax(-1).tolist() == [x[0].argmax().item(), 0, 3, 9000, 19999]
     """)
+
+
+def test_engine_kernels_of_llama3_8b_steps_spill_no_registers_and_pipeline_their_loads(tmp_path: Path) -> None:
+    """Every Triton launch of a llama3-8b fp8-block step (decode at 1-128 sequences, questions over a cached prefix
+    beside decode rows, a fresh prompt: bench/kernel_resources.py, the engine's own wrappers with the step's shapes),
+    compiled for sm_90 as the JIT specializes it, keeps its values in registers (a spill goes to local memory, a
+    cliff the interpreter cannot show), and the attention and GEMM kernels' loops copy their tiles to shared memory
+    asynchronously (the pipeliner gave up on none of their loads: without it every tile waits for its load)."""
+    out = tmp_path / "resources.json"
+    run = subprocess.run([sys.executable, "bench/kernel_resources.py", "--out", str(out)], cwd=REPO,
+                         capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    steps = json.loads(out.read_text())["steps"]
+    assert len(steps) == 6
+    for step, launches in steps.items():
+        kernels = {launch["kernel"] for launch in launches}
+        assert {"_paged_attention", "_add_rms_norm", "_silu_mul", "_argmax_parts"} <= kernels, (step, kernels)
+        for launch in launches:
+            assert launch["spilled"] == 0, (step, launch)
+            if launch["kernel"] in ("_paged_attention", "_fp8_block_gemm"):
+                assert launch["async_copies"] > 0, (step, launch)

@@ -32,63 +32,81 @@ def enable() -> None:
     interpreter._patch_lang_tensor = patched
 
 
-LAUNCH_OPTIONS = ("num_warps", "num_stages")  # compile options among a launch's keywords; others only launch
-POINTER_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64", "int8": "i8",
-                 "uint8": "u8", "int16": "i16", "int32": "i32", "int64": "i64", "bool": "i1",
-                 "float8_e4m3fn": "fp8e4nv", "float8_e5m2": "fp8e5"}  # fmt: skip
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg")  # compile options among a launch's keywords; others only launch
+TARGET = ("cuda", 90, 32)  # an H100/H200
 
 
-def record_launches(path: str) -> None:
+def record_launches(path: str, execute: bool = True) -> None:
     """From now on, every kernel launch the interpreter runs is written to ``path`` at exit (JSON lines, each once):
-    the kernel's module and name, each argument's Triton type (or a constexpr's value) and the compile options, for
-    ``compile_launches`` to compile for a GPU."""
+    the kernel's module and name, each argument's Triton type (or a constexpr's value), the arguments the JIT would
+    specialize as divisible by 16, the compile options (for ``compile_launches`` to compile what a GPU would), and
+    the grids it was launched with.
+    ``execute=False``: launches are only recorded (their outputs stay as they were: for launch shapes alone)."""
     import atexit
     import inspect
     import json
 
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
     from triton.runtime import interpreter
 
-    seen: dict[str, None] = {}
+    seen: dict[str, list[list[int]]] = {}  # a launch -> the grids it was launched with
     original = interpreter.InterpretedFunction.run
 
     def run(self, *args, grid, warmup, **kwargs):  # type: ignore[no-untyped-def]
         parameters = inspect.signature(self.fn).parameters
+        names = list(parameters)
         options = {k: kwargs.pop(k) for k in LAUNCH_OPTIONS if k in kwargs}
         launch_only = {k: kwargs.pop(k) for k in list(kwargs) if k not in parameters}
         bound = inspect.signature(self.fn).bind(*args, **kwargs)
         bound.apply_defaults()
-        signature, constants = {}, {}
+
+        def marked(option: str, name: str) -> bool:  # do_not_specialize lists names or indices
+            listed = self.kwargs.get(option) or ()
+            return name in listed or names.index(name) in listed
+
+        signature, constants, divisible = {}, {}, []
         for name, value in bound.arguments.items():
             if "constexpr" in str(parameters[name].annotation):
                 constants[name] = value
             elif type(value).__name__ == "TensorDescriptor":  # a host-made one: the weight's TMA descriptor
                 dtype = POINTER_TYPES[str(value.base.dtype).removeprefix("torch.")]
                 signature[name] = f"tensordesc<{dtype}{list(value.block_shape)}>"
-            elif hasattr(value, "dtype"):
-                signature[name] = "*" + POINTER_TYPES[str(value.dtype).removeprefix("torch.")]
-            elif isinstance(value, bool):
-                signature[name] = "i1"
-            elif isinstance(value, int):
-                signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
-            else:
-                signature[name] = "fp32"
+            else:  # as the JIT specializes it: the type, and "D" where divisible by 16 (an int 1 becomes a constant)
+                kind, key = native_specialize_impl(BaseBackend, value, False, not marked("do_not_specialize", name),
+                                                   not marked("do_not_specialize_on_alignment", name))  # fmt: skip
+                if kind == "constexpr":
+                    constants[name] = key
+                    continue
+                signature[name] = kind
+                if key == "D":
+                    divisible.append(name)
         launch = {"module": self.fn.__module__, "name": self.fn.__name__, "signature": signature,
-                  "constants": constants, "options": options}  # fmt: skip
-        seen[json.dumps(launch, sort_keys=True)] = None
-        return original(self, *args, grid=grid, warmup=warmup, **kwargs, **options, **launch_only)
+                  "constants": constants, "divisible": divisible, "options": options}  # fmt: skip
+        sizes = grid(bound.arguments) if callable(grid) else grid
+        seen.setdefault(json.dumps(launch, sort_keys=True), []).append([*sizes, 1, 1][:3])
+        if execute:
+            return original(self, *args, grid=grid, warmup=warmup, **kwargs, **options, **launch_only)
+        return None
 
     def write() -> None:
         with open(path, "w") as out:
-            out.writelines(line + "\n" for line in seen)
+            out.writelines(json.dumps({**json.loads(line), "grids": grids}) + "\n" for line, grids in seen.items())
 
     interpreter.InterpretedFunction.run = run
     atexit.register(write)
 
 
-def compile_launches(path: str) -> int:
+POINTER_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64", "int8": "i8",
+                 "uint8": "u8", "int16": "i16", "int32": "i32", "int64": "i64", "bool": "i1",
+                 "float8_e4m3fn": "fp8e4nv", "float8_e5m2": "fp8e5"}  # fmt: skip
+
+
+def compile_launches(path: str) -> list[dict[str, object]]:
     """Compile for an H100/H200 (sm_90, no GPU needed: Triton's compiler and ptxas) every launch ``record_launches``
-    wrote: the interpreter runs a kernel's statements with numpy and lets through code the compiler refuses (a
-    variable of one type in an if's then-block and another in its else-block, for one). Returns how many."""
+    wrote, specialized as the JIT would: the interpreter runs a kernel's statements with numpy and lets through code
+    the compiler refuses (a variable of one type in an if's then-block and another in its else-block, for one).
+    Returns each launch with what the compiled kernel uses (``resources``)."""
     import importlib
     import json
 
@@ -96,14 +114,49 @@ def compile_launches(path: str) -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    count = 0
+    compiled = []
     for line in Path(path).read_text().splitlines():
         launch = json.loads(line)
         kernel = getattr(importlib.import_module(launch["module"]), launch["name"])
         names = list(kernel.arg_names)
         signature = {name: launch["signature"].get(name, "constexpr") for name in names}
         constants = {(names.index(k),): v for k, v in launch["constants"].items()}
-        triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
-                       options=launch["options"])  # fmt: skip
-        count += 1
-    return count
+        attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in launch.get("divisible", ())}
+        binary = triton.compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget(*TARGET),
+                                options=launch["options"])  # fmt: skip
+        compiled.append({**launch, **resources(binary)})
+    return compiled
+
+
+SM90 = {"registers": 65536, "shared": 232448, "warps": 64, "blocks": 32}  # per SM (shared: 227 KiB a block at most)
+
+
+def resources(binary) -> dict[str, object]:  # type: ignore[no-untyped-def]
+    """What a compiled kernel uses (registers a thread, bytes of local memory a thread: spills, shared memory a
+    block), the programs an SM holds at once with those, and its loads that copy to shared memory asynchronously
+    (what the pipeliner made of a loop's loads: none means every tile waits for its load). Registers and local
+    memory from cuobjdump (Triton's NVIDIA backend carries it)."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "kernel.cubin"
+        cubin.write_bytes(binary.asm["cubin"])
+        usage = subprocess.run([str(tool), "-res-usage", str(cubin)], capture_output=True, text=True,
+                               check=True).stdout  # fmt: skip
+    found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
+    assert found, usage
+    registers, stack, static_shared, local = map(int, found.groups())
+    shared = binary.metadata.shared + static_shared
+    warps = binary.metadata.num_warps
+    by_registers = SM90["registers"] // (-(-registers // 8) * 8 * 32 * warps)  # allocated 8 a thread at a time
+    per_sm = min(by_registers, SM90["shared"] // shared if shared else SM90["blocks"], SM90["warps"] // warps,
+                 SM90["blocks"])  # fmt: skip
+    ttgir = binary.asm["ttgir"]
+    copies = ttgir.count("async_copy_global_to_local") + ttgir.count("async_tma_copy_global_to_local")
+    return {"registers": registers, "spilled": stack + local, "shared": shared, "programs_per_sm": per_sm,
+            "async_copies": copies}  # fmt: skip

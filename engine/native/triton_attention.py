@@ -252,10 +252,11 @@ def _none_shared(device: torch.device) -> torch.Tensor:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: StepBatch, scale: float,
                     block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                    block_q: int | None = None, decode_group: int = DECODE_GROUP) -> torch.Tensor:  # fmt: skip
+                    block_q: int | None = None, decode_group: int = DECODE_GROUP,
+                    maxnreg: int | None = None) -> torch.Tensor:  # fmt: skip
     """q [T, heads, d] against one layer's cache [slots, kv_heads, d] -> [T, heads * d]. ``block_n``, ``num_warps``,
-    ``num_stages``, ``block_q``, ``decode_group``: launch choices other than launch_shape's and DECODE_GROUP
-    (bench/attention_decode.py and bench/attention_ab.py try them)."""
+    ``num_stages``, ``block_q``, ``decode_group``, ``maxnreg`` (registers a thread at most): launch choices other
+    than launch_shape's and DECODE_GROUP (bench/attention_decode.py and bench/attention_ab.py try them)."""
     t, heads, d = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
@@ -276,5 +277,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         DECODE_GROUP=min(decode_group, block_q),
         num_warps=num_warps or launch.num_warps, num_stages=num_stages or launch.num_stages,
         USE_PDL=(pdl := pdl_enabled(q.device) and t <= SMALL_ROWS), launch_pdl=pdl,
+        **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
     return out.view(t, heads * d)
