@@ -5,7 +5,7 @@ shared prefix run twice in this tree: told the prefix (``StepBatch.shared_prefix
 not (``per_sequence``); decode steps also through the launch of a step with prompt rows (``as_mixed``, with
 and without the shared prefix). ``--baseline FILE``: a second copy of engine/native/triton_attention.py (e.g. ``git show
 REV:engine/native/triton_attention.py``) timed beside the working tree's, twice each in turn, with the largest
-difference of their outputs from the current kernel's. ``--launches q32_w8,dg8,...``: launch choices of LAUNCHES
+difference of their outputs from the current kernel's. ``--launches n32_r168,dg8,...``: launch choices of LAUNCHES
 tried too on the steps that walk a shared prefix once (the current launch's and decode's ``as_mixed``).
 
     PYTHONPATH=/tmp/site:$PWD python3 bench/attention_ab.py --out $OUT/ab.json [--baseline /tmp/old_attention.py]
@@ -44,17 +44,18 @@ CASES: dict[str, tuple[list[tuple[int, int]], bool]] = {  # (context after the s
     "fresh 1 x 1,024": ([(1024, 1024)], False),
     "fresh 4 x 512": ([(512, 512)] * 4, False),
 }
-# Launch choices other than launch_shape's for the shared walk (paged_attention's keyword arguments): query tiles of
-# 32 tokens, 8 warps, 3 stages, other key tiles, decode rows of 8 or 16 sequences to a tile.
+# Launch choices other than launch_shape's for the shared walk (paged_attention's keyword arguments). Compiled for
+# sm_90 by Triton 3.6 (bench/kernel_resources.py), the launch of a step with prompt rows holds 250 registers a thread:
+# two programs an SM. 32-position key tiles take 184 (still two), and capped at 168 fit in 164 without spilling:
+# three an SM. 3 stages; decode rows of 8 or 16 sequences to a tile.
 LAUNCHES: dict[str, dict[str, int]] = {
-    "q32_w8": {"block_q": 32, "num_warps": 8},
-    "w8": {"num_warps": 8},
-    "s3": {"num_stages": 3},
     "n32": {"block_n": 32},
-    "n128_w8": {"block_n": 128, "num_warps": 8},
+    "n32_r168": {"block_n": 32, "maxnreg": 168},
+    "n32_s3_r168": {"block_n": 32, "num_stages": 3, "maxnreg": 168},
+    "s3": {"num_stages": 3},
     "dg8": {"decode_group": 8},
     "dg16": {"decode_group": 16},
-    "q32_w8_dg8": {"block_q": 32, "num_warps": 8, "decode_group": 8},
+    "n32_r168_dg8": {"block_n": 32, "maxnreg": 168, "decode_group": 8},
 }
 
 
