@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU runs for the serving engine, on the device machine (torch + Triton there; the rest travels as wheels in .whl/,
 # the demo tokenizer for the synthetic checkpoint in .gputok/: see docs/benchmarks.md).
-#   bash bench/gpu_serving.sh setup probe tests graphs profile ab engine structured prefix defaults speed restarts serve  # any subset
+#   bash bench/gpu_serving.sh setup probe tests graphs profile ab attention engine structured prefix defaults speed restarts serve  # any subset
 # The serving acceptance (setup + serve fit one 10-minute device call: ~10 s wheels, ~25 s synth, serve <= 480 s):
 #   bash bench/gpu_serving.sh setup serve        # carry .whl and .gputok; SERVE_ARGS / SERVE_TIMEOUT override
 # Results go to a folder under /tmp/gpuout, packed at the end into $OUT/results.tgz (markdown copied beside it).
@@ -103,6 +103,11 @@ if sizes:
         print(f"| {label} | " + " | ".join(f"{graphs[run][n]:.3f}" if n in graphs[run] else "-" for n in sizes) + " |")
 PY
             ;;
+    attention) # The attention kernel's launch choices on a prefix wave's steps, decode and fresh prompts, each twice in
+            # turn (bench/attention_ab.py; ATTENTION_LAUNCHES: names from its LAUNCHES). ~3 min, most of it compiling.
+            timeout ${ATTENTION_TIMEOUT:-300} python3 bench/attention_ab.py --out $RUN/attention_ab.json \
+              --launches ${ATTENTION_LAUNCHES:-n32,n32_r168,n32_s3_r168,s3,dg8,dg16,n32_r168_dg8} 2>&1 | grep -v Warning
+            cp $RUN/attention_ab.json $OUT/ 2>/dev/null ;;
     structured) # Issue 23's acceptance: 64 streams, every request plain, held to a JSON schema, or with logprobs 5
             # (plain first and last, for the run's own spread; levels of one run differ by 3-10%: STRUCTURED_VARIANTS
             # may repeat them, e.g. plain,json_schema,logprobs=5,plain,json_schema,logprobs=5,plain). ~70 s a run.
