@@ -50,7 +50,7 @@ def record(path: str, step: str, attention: dict[str, int]) -> None:
 
     from bench.attention_ab import step_batch
     from engine.native.fused_ops import add_rms_norm, rope_kv_write, silu_mul
-    from engine.native.kernels import SMALL_M, _cublas_rows
+    from engine.native.kernels import CUBLAS_BLOCKWISE_ROWS, SMALL_M
     from engine.native.triton_attention import paged_attention
     from engine.native.triton_fp8 import fp8_block_gemm, quantize_groups
     from engine.native.triton_logprobs import argmax
@@ -66,7 +66,7 @@ def record(path: str, step: str, attention: dict[str, int]) -> None:
     specs, shared = STEPS[step]
     batch, blocks, rows = step_batch(specs, shared, cpu)
     triton_gemm = rows <= SMALL_M
-    quantized = rows if triton_gemm else _cublas_rows(rows)
+    quantized = rows if triton_gemm else rows + -rows % CUBLAS_BLOCKWISE_ROWS  # as the cuBLAS path pads them
     x = torch.empty(rows, HIDDEN, dtype=bf16)
     k_cache, v_cache = (torch.empty(blocks * batch.block_size, KV_HEADS, DIM, dtype=bf16) for _ in range(2))
     h = add_rms_norm(x, x, norm, 1e-5, quantized)

@@ -34,6 +34,9 @@ def enable() -> None:
 
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg")  # compile options among a launch's keywords; others only launch
 TARGET = ("cuda", 90, 32)  # an H100/H200
+POINTER_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64", "int8": "i8",
+                 "uint8": "u8", "int16": "i16", "int32": "i32", "int64": "i64", "bool": "i1",
+                 "float8_e4m3fn": "fp8e4nv", "float8_e5m2": "fp8e5"}  # fmt: skip
 
 
 def record_launches(path: str, execute: bool = True) -> None:
@@ -97,11 +100,6 @@ def record_launches(path: str, execute: bool = True) -> None:
     atexit.register(write)
 
 
-POINTER_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64", "int8": "i8",
-                 "uint8": "u8", "int16": "i16", "int32": "i32", "int64": "i64", "bool": "i1",
-                 "float8_e4m3fn": "fp8e4nv", "float8_e5m2": "fp8e5"}  # fmt: skip
-
-
 def compile_launches(path: str) -> list[dict[str, object]]:
     """Compile for an H100/H200 (sm_90, no GPU needed: Triton's compiler and ptxas) every launch ``record_launches``
     wrote, specialized as the JIT would: the interpreter runs a kernel's statements with numpy and lets through code
@@ -133,9 +131,9 @@ SM90 = {"registers": 65536, "shared": 232448, "warps": 64, "blocks": 32}  # per 
 
 def resources(binary) -> dict[str, object]:  # type: ignore[no-untyped-def]
     """What a compiled kernel uses (registers a thread, bytes of local memory a thread: spills, shared memory a
-    block), the programs an SM holds at once with those, and its loads that copy to shared memory asynchronously
-    (what the pipeliner made of a loop's loads: none means every tile waits for its load). Registers and local
-    memory from cuobjdump (Triton's NVIDIA backend carries it)."""
+    block), the programs an SM holds at once with those (from the per-SM limits), and its loads that copy to shared
+    memory asynchronously (what the pipeliner made of a loop's loads: none means every tile waits for its load).
+    Registers and local memory from cuobjdump (Triton's NVIDIA backend carries it)."""
     import re
     import subprocess
     import tempfile
