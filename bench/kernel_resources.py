@@ -48,6 +48,11 @@ def record(path: str, step: str, attention: dict[str, int]) -> None:
     triton_interpreter.record_launches(path, execute=False)
     import torch
 
+    from engine.native import fused_ops, triton_attention, triton_fp8
+
+    for module in (fused_ops, triton_attention, triton_fp8):  # as on Hopper: decode-sized launches overlap with PDL
+        module.pdl_enabled = lambda device: True  # type: ignore[assignment]  # the CPU has no device to ask
+
     from bench.attention_ab import step_batch
     from engine.native.fused_ops import add_rms_norm, rope_kv_write, silu_mul
     from engine.native.kernels import CUBLAS_BLOCKWISE_ROWS, SMALL_M

@@ -32,7 +32,7 @@ def enable() -> None:
     interpreter._patch_lang_tensor = patched
 
 
-LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg")  # compile options among a launch's keywords; others only launch
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg", "launch_pdl")  # compile options among a launch's keywords
 TARGET = ("cuda", 90, 32)  # an H100/H200
 POINTER_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64", "int8": "i8",
                  "uint8": "u8", "int16": "i16", "int32": "i32", "int64": "i64", "bool": "i1",
