@@ -6,7 +6,8 @@ not (``per_sequence``); decode steps also through the launch of a step with prom
 and without the shared prefix). ``--baseline FILE``: a second copy of engine/native/triton_attention.py (e.g. ``git show
 REV:engine/native/triton_attention.py``) timed beside the working tree's, twice each in turn, with the largest
 difference of their outputs from the current kernel's. ``--launches n32_r168,dg8,...``: launch choices of LAUNCHES
-tried too on the steps that walk a shared prefix once (the current launch's and decode's ``as_mixed``).
+tried too on the steps that walk a shared prefix once (the current launch's and decode's ``as_mixed``);
+``--splits split8,...``: decode steps without a shared prefix with their positions split over programs (SPLITS).
 
     PYTHONPATH=/tmp/site:$PWD python3 bench/attention_ab.py --out $OUT/ab.json [--baseline /tmp/old_attention.py]
 """
@@ -41,6 +42,8 @@ CASES: dict[str, tuple[list[tuple[int, int]], bool]] = {  # (context after the s
     "decode 1 at 300": ([(300, 1)], False),
     "decode 64 at 300": ([(300, 1)] * 64, False),
     "decode 1 at 2,000": ([(2000, 1)], False),
+    "decode 1 at 8,000": ([(8000, 1)], False),
+    "decode 4 at 4,000": ([(4000, 1)] * 4, False),
     "fresh 1 x 1,024": ([(1024, 1024)], False),
     "fresh 4 x 512": ([(512, 512)] * 4, False),
 }
@@ -56,6 +59,17 @@ LAUNCHES: dict[str, dict[str, int]] = {
     "dg8": {"decode_group": 8},
     "dg16": {"decode_group": 16},
     "n32_r168_dg8": {"block_n": 32, "maxnreg": 168, "decode_group": 8},
+}
+# Decode steps of a few sequences (a program a sequence and KV head: 8 programs at batch 1 on 132 SMs) with their
+# positions split over more programs (split_kv), for the steps without a shared prefix; launch_shape's tiles (256
+# positions, 8 warps, below 132 programs) or 64-position ones.
+SPLITS: dict[str, dict[str, int]] = {
+    "split2": {"split_kv": 2},
+    "split4": {"split_kv": 4},
+    "split8": {"split_kv": 8},
+    "split16": {"split_kv": 16},
+    "split8_n64": {"split_kv": 8, "block_n": 64, "num_warps": 4},
+    "split16_n64": {"split_kv": 16, "block_n": 64, "num_warps": 4},
 }
 
 
@@ -95,8 +109,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--baseline", type=Path, help="another triton_attention.py to time beside this tree's")
     parser.add_argument("--launches", default="", help="names from LAUNCHES, comma-separated")
+    parser.add_argument("--splits", default="", help="names from SPLITS, comma-separated")
     args = parser.parse_args()
     launches = {name: LAUNCHES[name] for name in filter(None, args.launches.split(","))}
+    splits = {name: SPLITS[name] for name in filter(None, args.splits.split(","))}
     device = torch.device("cuda")
     baseline = load(args.baseline) if args.baseline else None
     results: dict[str, dict[str, float | bool]] = {}
@@ -118,6 +134,9 @@ def main() -> None:
             walked_once = "as_mixed" if batch.max_query_len == 1 else "current"
             for name, choices in launches.items():
                 variants[f"{walked_once}+{name}"] = (current, variants[walked_once][1], choices)
+        if batch.max_query_len == 1 and not shared:
+            for name, choices in splits.items():
+                variants[name] = (current, batch, choices)
         if baseline:
             variants["baseline"] = (baseline, batch, {})
         row: dict[str, float | bool] = {}

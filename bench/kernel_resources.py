@@ -11,7 +11,8 @@ layer of each step (the 32 are alike) and its logits' argmax. cuBLAS' GEMMs abov
     python bench/kernel_resources.py [--out FILE.json]
 
 Launch choices other than the engine's: ``--attention block_n=32,maxnreg=168`` adds the attention launches of the
-prompt steps again with those keyword arguments (engine/native/triton_attention.py's paged_attention).
+prompt steps again with those keyword arguments (engine/native/triton_attention.py's paged_attention), ``--decode
+split_kv=8`` those of the decode steps.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ STEPS: dict[str, tuple[list[tuple[int, int]], bool]] = {
 }
 
 
-def record(path: str, step: str, attention: dict[str, int]) -> None:
+def record(path: str, step: str, attention: dict[str, int], decode: dict[str, int]) -> None:
     """Run one step's kernel wrappers in the interpreter, launches recorded to ``path``, not run."""
     import triton_interpreter
 
@@ -79,8 +80,8 @@ def record(path: str, step: str, attention: dict[str, int]) -> None:
     cos = sin = torch.empty(rows, DIM // 2)
     q = rope_kv_write(qkv, cos, sin, k_cache, v_cache, torch.zeros(rows, dtype=torch.long), HEADS, KV_HEADS)
     out = paged_attention(q, k_cache, v_cache, batch, DIM**-0.5)
-    if batch.max_query_len > 1 and attention:
-        paged_attention(q, k_cache, v_cache, batch, DIM**-0.5, **attention)
+    if extra := attention if batch.max_query_len > 1 else decode:
+        paged_attention(q, k_cache, v_cache, batch, DIM**-0.5, **extra)
     o = fp8_block_gemm(out, *o_w) if triton_gemm else quantize_groups(out, quantized)[0]
     h = add_rms_norm(x, o if triton_gemm else x, norm, 1e-5, quantized)
     gate_up = fp8_block_gemm(h, *gate_up_w) if triton_gemm else torch.empty(rows, 2 * INTERMEDIATE, dtype=bf16)
@@ -118,11 +119,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path)
     parser.add_argument("--attention", default="", help="extra attention launch choices, e.g. block_n=32,maxnreg=168")
+    parser.add_argument("--decode", default="", help="extra decode attention launch choices, e.g. split_kv=8")
     parser.add_argument("--record", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    attention = {k: int(v) for k, v in (pair.split("=") for pair in filter(None, args.attention.split(",")))}
+
+    def choices(text: str) -> dict[str, int]:
+        return {k: int(v) for k, v in (pair.split("=") for pair in filter(None, text.split(",")))}
+
     if args.record:
-        record(*args.record, attention)
+        record(*args.record, choices(args.attention), choices(args.decode))
         return
     import triton
     import triton_interpreter
@@ -131,8 +136,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for step in STEPS:
             launches = str(Path(tmp) / "launches.jsonl")
-            subprocess.run([sys.executable, __file__, "--record", launches, step, "--attention", args.attention],
-                           check=True)  # fmt: skip
+            subprocess.run([sys.executable, __file__, "--record", launches, step, "--attention", args.attention,
+                            "--decode", args.decode], check=True)  # fmt: skip
             steps[step] = table(triton_interpreter.compile_launches(launches))
             print(f"\n{step} (one layer and the logits' argmax; Triton {triton.__version__}):\n\n"
                   f"{markdown(steps[step])}", flush=True)  # fmt: skip

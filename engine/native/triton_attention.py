@@ -47,7 +47,7 @@ def _paged_attention(
     stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_table,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, SEQS_P2: tl.constexpr, DECODE_GROUP: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, SPLITS: tl.constexpr = 1,
 ):  # fmt: skip
     pdl_enter(USE_PDL)
     kv_head = tl.program_id(1)
@@ -98,10 +98,42 @@ def _paged_attention(
     for start in range(0, unmasked, BLOCK_N):
         m_i, l_i, acc = _attend(q, q_pos, row_ok, m_i, l_i, acc, k_ptr, v_ptr, table, start, end, kv_head,
                                 stride_ks, stride_kh, qk_scale, BLOCK_N, PAGE, D, D_P2, False, False)  # fmt: skip
-    for start in range(unmasked, end, BLOCK_N):
-        m_i, l_i, acc = _attend(q, q_pos, row_ok, m_i, l_i, acc, k_ptr, v_ptr, table, start, end, kv_head,
+    lo, hi = unmasked, end
+    if SPLITS > 1:  # decode split over SPLITS programs: this one's whole tiles of the positions (none past the end)
+        chunk = tl.cdiv(tl.cdiv(end, SPLITS), BLOCK_N) * BLOCK_N
+        lo = tl.minimum(tl.program_id(2) * chunk, end)
+        hi = tl.minimum(lo + chunk, end)
+    for start in range(lo, hi, BLOCK_N):
+        m_i, l_i, acc = _attend(q, q_pos, row_ok, m_i, l_i, acc, k_ptr, v_ptr, table, start, hi, kv_head,
                                 stride_ks, stride_kh, qk_scale, BLOCK_N, PAGE, D, D_P2, True, False)  # fmt: skip
-    _store(out_ptr, acc, l_i, q_begin + q_index, head, row_ok, dims, dim_ok, stride_ot, stride_oh)
+    if SPLITS == 1:
+        _store(out_ptr, acc, l_i, q_begin + q_index, head, row_ok, dims, dim_ok, stride_ot, stride_oh)
+    else:  # the split's unnormalized sum and softmax state, [D sums, max, total] at out_ptr's row: _merge_splits
+        part = out_ptr + (q_begin + q_index) * stride_ot + head * stride_oh + tl.program_id(2) * (D + 2)
+        tl.store(part[:, None] + dims[None, :], acc, mask=row_ok[:, None] & dim_ok[None, :])
+        tl.store(part + D, m_i, mask=row_ok)
+        tl.store(part + D + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits(part_ptr, out_ptr, stride_pt, stride_ph, stride_ot, stride_oh, SPLITS: tl.constexpr,
+                  SPLITS_P2: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+    """A decode row's head from its SPLITS partial walks (in split order: deterministic), as one walk's online softmax
+    would have ended: each split's sum weighted by exp2(its max - the overall max), over the weighted totals."""
+    pdl_enter(USE_PDL)
+    t = tl.program_id(0)
+    head = tl.program_id(1)
+    split = tl.arange(0, SPLITS_P2)
+    dims = tl.arange(0, D_P2)
+    live = split < SPLITS
+    part = part_ptr + t * stride_pt + head * stride_ph + split * (D + 2)
+    m = tl.load(part + D, mask=live, other=float("-inf"))
+    top = tl.max(m, 0)
+    weight = tl.math.exp2(m - tl.where(top == float("-inf"), 0.0, top))  # splits that saw no key (or no row): 0
+    total = tl.sum(tl.load(part + D + 1, mask=live, other=0.0) * weight, 0)
+    sums = tl.load(part[:, None] + dims[None, :], mask=live[:, None] & (dims < D)[None, :], other=0.0)
+    out = tl.sum(sums * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + t * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dims < D)
 
 
 @triton.jit
@@ -252,11 +284,14 @@ def _none_shared(device: torch.device) -> torch.Tensor:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: StepBatch, scale: float,
                     block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                    block_q: int | None = None, decode_group: int = DECODE_GROUP,
-                    maxnreg: int | None = None) -> torch.Tensor:  # fmt: skip
+                    block_q: int | None = None, decode_group: int = DECODE_GROUP, maxnreg: int | None = None,
+                    split_kv: int = 1) -> torch.Tensor:  # fmt: skip
     """q [T, heads, d] against one layer's cache [slots, kv_heads, d] -> [T, heads * d]. ``block_n``, ``num_warps``,
     ``num_stages``, ``block_q``, ``decode_group``, ``maxnreg`` (registers a thread at most): launch choices other
-    than launch_shape's and DECODE_GROUP (bench/attention_decode.py and bench/attention_ab.py try them)."""
+    than launch_shape's and DECODE_GROUP (bench/attention_decode.py and bench/attention_ab.py try them).
+    ``split_kv`` > 1: a decode step's positions walked by that many programs a sequence and KV head, whole tiles
+    each, their partial softmaxes merged by a second kernel (_merge_splits): a few sequences over long contexts
+    otherwise run a program per sequence and KV head on a GPU of 132 SMs."""
     t, heads, d = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
@@ -264,19 +299,28 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     launch = launch_shape(group, batch.max_query_len, seqs * kv_heads, sm_count(q.device), d)
     block_q, block_n = block_q or launch.block_q, block_n or launch.block_n
     out = torch.empty(t, heads, d, dtype=q.dtype, device=q.device)
+    splits = split_kv if batch.max_query_len == 1 else 1
+    # split: each program's partial sums and softmax state, [T, heads, splits, d + 2] (fp32), then merged into out
+    dest = out if splits == 1 else torch.empty(t, heads, splits, d + 2, dtype=torch.float32, device=q.device)
     if batch.max_query_len == 1:
-        grid, seqs_p2 = (seqs, kv_heads), 0
+        grid, seqs_p2 = (seqs, kv_heads, splits), 0
     else:
         grid, seqs_p2 = (t // block_q + seqs, kv_heads), triton.next_power_of_2(seqs)
+    pdl = pdl_enabled(q.device) and t <= SMALL_ROWS
     _paged_attention[grid](
-        q, k_cache, v_cache, out, batch.block_tables, batch.seq_lens, batch.query_start,
+        q, k_cache, v_cache, dest, batch.block_tables, batch.seq_lens, batch.query_start,
         _none_shared(q.device) if batch.shared_prefix is None else batch.shared_prefix, scale, seqs,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), dest.stride(0), dest.stride(1),
         batch.block_tables.stride(0), GROUP=group, GROUP_P2=triton.next_power_of_2(group), BLOCK_Q=block_q,
         BLOCK_N=block_n, PAGE=batch.block_size, D=d, D_P2=triton.next_power_of_2(d), SEQS_P2=seqs_p2,
-        DECODE_GROUP=min(decode_group, block_q),
-        num_warps=num_warps or launch.num_warps, num_stages=num_stages or launch.num_stages,
-        USE_PDL=(pdl := pdl_enabled(q.device) and t <= SMALL_ROWS), launch_pdl=pdl,
+        DECODE_GROUP=min(decode_group, block_q), USE_PDL=pdl, SPLITS=splits,
+        num_warps=num_warps or launch.num_warps, num_stages=num_stages or launch.num_stages, launch_pdl=pdl,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
+    if splits > 1:
+        _merge_splits[(t, heads)](
+            dest, out, dest.stride(0), dest.stride(1), out.stride(0), out.stride(1), SPLITS=splits,
+            SPLITS_P2=triton.next_power_of_2(splits), D=d, D_P2=triton.next_power_of_2(d), USE_PDL=pdl,
+            num_warps=4, launch_pdl=pdl,
+        )  # fmt: skip
     return out.view(t, heads * d)
