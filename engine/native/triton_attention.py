@@ -5,7 +5,8 @@ that share that head stacked as rows (grouped-query attention reads each key til
 of them), and walks the sequence's keys up to its last row's position through the block table,
 in tiles of BLOCK_N positions, with an online softmax in fp32.
 
-Decode runs a program per sequence. A step with prompt rows runs T // BLOCK_Q + S programs per KV
+Decode runs a program per sequence (or, with ``split_kv``, several, each walking whole tiles of its positions, their
+partial softmaxes merged by _merge_splits). A step with prompt rows runs T // BLOCK_Q + S programs per KV
 head for T rows of S sequences: sequence s owns the programs from query_start[s] // BLOCK_Q + s on
 (at least the ceil(rows / BLOCK_Q) it needs), and each program finds its sequence by comparing its
 index with those starts. Programs past a sequence's rows return at once, so the grid may be an upper
