@@ -303,6 +303,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     splits = split_kv if batch.max_query_len == 1 else 1
     # split: each program's partial sums and softmax state, [T, heads, splits, d + 2] (fp32), then merged into out
     dest = out if splits == 1 else torch.empty(t, heads, splits, d + 2, dtype=torch.float32, device=q.device)
+    grid: tuple[int, ...]
     if batch.max_query_len == 1:
         grid, seqs_p2 = (seqs, kv_heads, splits), 0
     else:
