@@ -23,13 +23,14 @@ from processes import REPO
 pytest.importorskip("triton")
 
 
-def _interpreted(code: str) -> None:
+def _interpreted(code: str, execute: bool = True) -> int:
     """Run ``code`` with the kernels in Triton's interpreter, then compile each kernel launch it made for sm_90 (the
-    interpreter runs code that the compiler refuses: tests/triton_interpreter.py)."""
+    interpreter runs code that the compiler refuses: tests/triton_interpreter.py); how many. ``execute=False``: the
+    launches are recorded, not run (for shapes the interpreter need not compute)."""
     with tempfile.TemporaryDirectory() as tmp:
         launches = str(Path(tmp) / "launches.jsonl")
         prelude = ("import sys; sys.path[:0] = ['tests', '.']\nimport triton_interpreter; triton_interpreter.enable(); "
-                   f"triton_interpreter.record_launches({launches!r})\n")  # fmt: skip
+                   f"triton_interpreter.record_launches({launches!r}, execute={execute})\n")  # fmt: skip
         run = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], cwd=REPO, capture_output=True,
                              text=True, timeout=600)  # fmt: skip
         assert run.returncode == 0, run.stderr[-3000:]
@@ -37,7 +38,9 @@ def _interpreted(code: str) -> None:
         compiled = subprocess.run([sys.executable, "-c", "import sys; sys.path[:0] = ['tests', '.']\n" + compile_code],
                                   cwd=REPO, capture_output=True, text=True, timeout=600)  # fmt: skip
         assert compiled.returncode == 0, compiled.stderr[-3000:]
-        assert int(compiled.stdout.split()[-1]) > 0, "no kernel launch recorded"
+        count = int(compiled.stdout.split()[-1])
+        assert count > 0, "no kernel launch recorded"
+        return count
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 8, 32), (12, 2, 48)])
@@ -49,37 +52,23 @@ def test_paged_attention_kernel_matches_reference(heads: int, kv_heads: int, dim
     """)
 
 
-def test_paged_attention_compiles_for_hopper_in_every_launch_shape(tmp_path: Path) -> None:
+def test_paged_attention_compiles_for_hopper_in_every_launch_shape() -> None:
     """The attention kernel as the H200 launches it (bf16, head dim 128, each of launch_shape's choices for prompt
-    rows and decode; 96 for a head size not a power of two; pointers and strides divisible by 16, as the JIT
-    specializes them there) compiles for sm_90: the interpreted tests compile their own launches, in float32 and
-    smaller shapes."""
-    launches = tmp_path / "launches.jsonl"
-    run = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
-        import json, sys
-        sys.path[:0] = ['tests', '.']
-        import triton, triton_interpreter
-        from engine.native import triton_attention as ta
-
-        lines = []
-        for group, dim, query, programs in [(4, 128, 64, 512), (4, 128, 1, 8), (4, 128, 1, 512), (2, 96, 64, 64)]:
-            launch = ta.launch_shape(group, query, programs, 132, dim)
-            signature = dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "out_ptr"), "*bf16")
-            signature.update(tables_ptr="*i32", seq_lens_ptr="*i64", query_start_ptr="*i64", shared_ptr="*i64",
-                             scale="fp32", seqs="i32", **dict.fromkeys(("stride_qt", "stride_qh", "stride_ks",
-                             "stride_kh", "stride_ot", "stride_oh", "stride_table"), "i32"))
-            constants = dict(GROUP=group, GROUP_P2=triton.next_power_of_2(group), BLOCK_Q=launch.block_q,
-                             BLOCK_N=launch.block_n, PAGE=16, D=dim, D_P2=triton.next_power_of_2(dim),
-                             SEQS_P2=128 if query > 1 else 0, DECODE_GROUP=min(ta.DECODE_GROUP, launch.block_q),
-                             USE_PDL=False, SPLITS=1)
-            divisible = [name for name in signature if name.endswith("_ptr") or name.startswith("stride")]
-            lines.append(json.dumps(dict(module=ta.__name__, name="_paged_attention", signature=signature,
-                                         constants=constants, divisible=divisible,
-                                         options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages))))
-        open({str(launches)!r}, "w").write("\\n".join(lines) + "\\n")
-        assert len(triton_interpreter.compile_launches({str(launches)!r})) == 4
-    """)], cwd=REPO, capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
+    rows and decode; 96 for a head size not a power of two; specialized as the JIT does there) compiles for sm_90:
+    the interpreted tests compile their own launches, in float32 and smaller shapes."""
+    code = """
+        import torch
+        from attention_cases import make_batch
+        from engine.native.triton_attention import paged_attention
+        gen, blocks = torch.Generator().manual_seed(0), 1300
+        # prompt rows; decode with fewer programs (sequences x KV heads) than SMs and with more; a head dim of 96
+        for heads, kv_heads, dim, specs in [(32, 8, 128, [(100, 64)]), (32, 8, 128, [(300, 1)]),
+                                            (32, 8, 128, [(300, 1)] * 64), (16, 8, 96, [(100, 64)])]:
+            k, v = (torch.empty(blocks * 16, kv_heads, dim, dtype=torch.bfloat16) for _ in range(2))
+            q = torch.empty(sum(n for _, n in specs), heads, dim, dtype=torch.bfloat16)
+            paged_attention(q, k, v, make_batch(specs, blocks, torch.device("cpu"), gen), dim**-0.5)
+    """
+    assert _interpreted(code, execute=False) == 4
 
 
 @pytest.mark.parametrize("t", [21, 75])
