@@ -7,7 +7,8 @@ and without the shared prefix). ``--baseline FILE``: a second copy of engine/nat
 REV:engine/native/triton_attention.py``) timed beside the working tree's, twice each in turn, with the largest
 difference of their outputs from the current kernel's. ``--launches n32_r168,dg8,...``: launch choices of LAUNCHES
 tried too on the steps that walk a shared prefix once (the current launch's and decode's ``as_mixed``);
-``--splits split8,...``: decode steps without a shared prefix with their positions split over programs (SPLITS).
+``--splits unsplit,split8,...``: decode steps without a shared prefix with their positions split over other numbers
+of programs (SPLITS); ``--cases decode``: only the cases whose names start so.
 
     PYTHONPATH=/tmp/site:$PWD python3 bench/attention_ab.py --out $OUT/ab.json [--baseline /tmp/old_attention.py]
 """
@@ -44,6 +45,9 @@ CASES: dict[str, tuple[list[tuple[int, int]], bool]] = {  # (context after the s
     "decode 1 at 2,000": ([(2000, 1)], False),
     "decode 1 at 8,000": ([(8000, 1)], False),
     "decode 4 at 4,000": ([(4000, 1)] * 4, False),
+    "decode 8 at 1,000": ([(1000, 1)] * 8, False),
+    "decode 16 at 300": ([(300, 1)] * 16, False),
+    "decode 16 at 2,000": ([(2000, 1)] * 16, False),
     "fresh 1 x 1,024": ([(1024, 1024)], False),
     "fresh 4 x 512": ([(512, 512)] * 4, False),
 }
@@ -60,16 +64,17 @@ LAUNCHES: dict[str, dict[str, int]] = {
     "dg16": {"decode_group": 16},
     "n32_r168_dg8": {"block_n": 32, "maxnreg": 168, "decode_group": 8},
 }
-# Decode steps of a few sequences (a program a sequence and KV head: 8 programs at batch 1 on 132 SMs) with their
-# positions split over more programs (split_kv), for the steps without a shared prefix; launch_shape's tiles (256
-# positions, 8 warps, below 132 programs) or 64-position ones.
+# Decode steps of a few sequences (fewer programs, a program a sequence and KV head, than SMs) with their positions
+# split over other numbers of programs than launch_shape's (split_kv), for the steps without a shared prefix; and
+# "unsplit", the launch launch_shape made before it split them (256-position tiles with 8 warps).
 SPLITS: dict[str, dict[str, int]] = {
+    "unsplit": {"split_kv": 1, "block_n": 256, "num_warps": 8},
     "split2": {"split_kv": 2},
     "split4": {"split_kv": 4},
     "split8": {"split_kv": 8},
     "split16": {"split_kv": 16},
-    "split8_n64": {"split_kv": 8, "block_n": 64, "num_warps": 4},
-    "split16_n64": {"split_kv": 16, "block_n": 64, "num_warps": 4},
+    "split8_n256": {"split_kv": 8, "block_n": 256, "num_warps": 8},
+    "split16_n256": {"split_kv": 16, "block_n": 256, "num_warps": 8},
 }
 
 
@@ -110,13 +115,17 @@ def main() -> None:
     parser.add_argument("--baseline", type=Path, help="another triton_attention.py to time beside this tree's")
     parser.add_argument("--launches", default="", help="names from LAUNCHES, comma-separated")
     parser.add_argument("--splits", default="", help="names from SPLITS, comma-separated")
+    parser.add_argument("--cases", default="", help="only the cases whose names start with one of these, e.g. decode")
     args = parser.parse_args()
     launches = {name: LAUNCHES[name] for name in filter(None, args.launches.split(","))}
     splits = {name: SPLITS[name] for name in filter(None, args.splits.split(","))}
     device = torch.device("cuda")
     baseline = load(args.baseline) if args.baseline else None
     results: dict[str, dict[str, float | bool]] = {}
+    chosen = tuple(filter(None, args.cases.split(",")))
     for name, (specs, shared) in CASES.items():
+        if chosen and not name.startswith(chosen):
+            continue
         batch, blocks, rows = step_batch(specs, shared, device)
         caches = [(torch.randn(blocks * PAGE, KV_HEADS, DIM, device=device, dtype=torch.bfloat16),
                    torch.randn(blocks * PAGE, KV_HEADS, DIM, device=device, dtype=torch.bfloat16))
@@ -132,11 +141,11 @@ def main() -> None:
                 variants["as_mixed_per_sequence"] = (current, replace(batch, max_query_len=2, shared_prefix=None), {})
         if shared:
             walked_once = "as_mixed" if batch.max_query_len == 1 else "current"
-            for name, choices in launches.items():
-                variants[f"{walked_once}+{name}"] = (current, variants[walked_once][1], choices)
+            for choice, choices in launches.items():
+                variants[f"{walked_once}+{choice}"] = (current, variants[walked_once][1], choices)
         if batch.max_query_len == 1 and not shared:
-            for name, choices in splits.items():
-                variants[name] = (current, batch, choices)
+            for choice, choices in splits.items():
+                variants[choice] = (current, batch, choices)
         if baseline:
             variants["baseline"] = (baseline, batch, {})
         row: dict[str, float | bool] = {}

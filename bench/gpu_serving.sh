@@ -104,11 +104,13 @@ if sizes:
 PY
             ;;
     attention) # The attention kernel's launch choices on a prefix wave's steps, decode and fresh prompts, each twice in
-            # turn (bench/attention_ab.py; ATTENTION_LAUNCHES and ATTENTION_SPLITS: names from its LAUNCHES and SPLITS).
+            # turn (bench/attention_ab.py; ATTENTION_LAUNCHES and ATTENTION_SPLITS: names from its LAUNCHES and SPLITS;
+            # ATTENTION_CASES: only cases whose names start so, e.g. decode).
             # ~3-4 min, most of it compiling.
             timeout ${ATTENTION_TIMEOUT:-330} python3 bench/attention_ab.py --out $RUN/attention_ab.json \
               --launches ${ATTENTION_LAUNCHES:-n32,n32_r168,n32_s3_r168,s3,dg8,dg16,n32_r168_dg8} \
-              --splits ${ATTENTION_SPLITS:-split2,split4,split8,split16,split8_n64,split16_n64} 2>&1 | grep -v Warning
+              --splits ${ATTENTION_SPLITS:-unsplit,split2,split4,split8,split16,split16_n256} \
+              --cases "${ATTENTION_CASES:-}" 2>&1 | grep -v Warning
             cp $RUN/attention_ab.json $OUT/ 2>/dev/null ;;
     structured) # Issue 23's acceptance: 64 streams, every request plain, held to a JSON schema, or with logprobs 5
             # (plain first and last, for the run's own spread; levels of one run differ by 3-10%: STRUCTURED_VARIANTS

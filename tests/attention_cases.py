@@ -73,19 +73,20 @@ def check_paged_attention(device: torch.device, dtype: torch.dtype, heads: int, 
         "shared prefix, graph-shaped": (shared[::-1], 512, 2, 37, 192),
         "shared prefix under a tile (per sequence)": ([(40 + 20, 20), (40 + 5, 1)], None, 0, 0, 32),
     }
-    # decode split over programs (split_kv), 16-position tiles so that most sequences' positions span several
-    # splits: some splits empty (a 1-token sequence: all but the first), a split count not a power of two
+    # decode split over other numbers of programs than launch_shape's (split_kv; 1: one a sequence and KV head),
+    # 16-position tiles so that most sequences' positions span several splits: some splits empty (a 1-token
+    # sequence: all but the first), a split count not a power of two
     decode = [(37, 1), (1, 1), (16, 1), (17, 1), (200, 1)]
-    splits = {f"decode split {n}": (decode, None, 0, 0, 0, n) for n in (2, 3, 8)}
+    splits = {f"decode split {n}": (decode, None, 0, 0, 0, n) for n in (1, 2, 3, 8)}
     splits["decode split 4, graph-shaped (padding sequences and rows)"] = ([(33, 1), (140, 1)], None, 3, 2, 0, 4)
     for name, (specs, max_query_len, pad, pad_rows, *more) in {**cases, **splits}.items():
-        common, split_kv = more[0] if more else 0, more[1] if len(more) > 1 else 1
+        common, split_kv = more[0] if more else 0, more[1] if len(more) > 1 else None
         batch = make_batch(specs, blocks, device, gen, max_query_len, pad, common)
         rows = sum(n for _, n in specs)
         q = torch.randn(rows + pad_rows, heads, dim, generator=gen).to(device, dtype)
         scale = dim**-0.5
         expected = attention_reference(q[:rows].float(), k.float(), v.float(), batch, scale)
-        launch = {"split_kv": split_kv, "block_n": 16} if split_kv > 1 else {}
+        launch = {} if split_kv is None else {"split_kv": split_kv, "block_n": 16}
         got = paged_attention(q, k, v, batch, scale, **launch)[:rows].float()
         error = float((got - expected).abs().max() / expected.abs().max())
         assert error < tolerance, (name, error)

@@ -261,21 +261,28 @@ class Launch(NamedTuple):
     block_n: int  # key positions per tile
     num_warps: int
     num_stages: int
+    splits: int = 1  # programs a decode row's sequence and KV head walks its positions with (merged: _merge_splits)
+
+
+MAX_SPLITS = 16
 
 
 def launch_shape(group: int, max_query_len: int, programs: int, sms: int, dim: int = 128) -> Launch:
-    """Single rows for decode, 64-row tiles for prefill. Decode with fewer programs (sequences x KV heads) than SMs
-    walks its keys in 256-wide tiles with 8 warps (narrower past head dim 128: the same shared memory), otherwise 64
-    with 4; three stages. On the H200, for llama3-8b's heads over 32 layers, against 64-wide tiles with 4 warps and
-    2 stages: 291 against 347 us a step at batch 1 and 300 positions, 540 against 1,068 at 1,000, 1,005 against 2,082
-    at 2,000; at batch 64 (512 programs) 764 against 794 at 300 (bench/attention_decode.py,
-    bench/results/gpu_attention_decode.json)."""
+    """Single rows for decode, 64-row tiles for prefill; 64-wide key tiles with 4 warps. Decode with fewer programs
+    (sequences x KV heads) than SMs splits each sequence's positions over up to MAX_SPLITS programs, about four
+    programs an SM in all, their partial softmaxes merged by a second kernel. On the H200, for llama3-8b's heads over
+    32 layers, against the unsplit walk this replaced (256-wide tiles with 8 warps; bench/attention_ab.py --splits,
+    bench/results/gpu_attention_split_kv.json): batch 1 (16 splits) 174 against 295 us a step at 300 positions, 276
+    against 1,023 at 2,000, 649 against 3,865 at 8,000; batch 4 at 4,000 (16 splits) 772 against 2,066. At batch 64
+    (512 programs) splitting in two cost 754 -> 948 us at 300 positions: decode with as many programs as SMs is not
+    split."""
     group_p2 = triton.next_power_of_2(group)
     if max_query_len > 1:
         return Launch(max(1, 64 // group_p2), 64, 4, 2)
+    rows = max(1, MIN_ROWS // group_p2)
     if programs < sms:
-        return Launch(max(1, MIN_ROWS // group_p2), min(256, 256 * 128 // triton.next_power_of_2(dim)), 8, 3)
-    return Launch(max(1, MIN_ROWS // group_p2), 64, 4, 3)
+        return Launch(rows, 64, 4, 3, min(MAX_SPLITS, 1 << ((4 * sms // programs).bit_length() - 1)))
+    return Launch(rows, 64, 4, 3)
 
 
 @functools.cache
@@ -286,13 +293,13 @@ def _none_shared(device: torch.device) -> torch.Tensor:
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: StepBatch, scale: float,
                     block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                     block_q: int | None = None, decode_group: int = DECODE_GROUP, maxnreg: int | None = None,
-                    split_kv: int = 1) -> torch.Tensor:  # fmt: skip
+                    split_kv: int | None = None) -> torch.Tensor:  # fmt: skip
     """q [T, heads, d] against one layer's cache [slots, kv_heads, d] -> [T, heads * d]. ``block_n``, ``num_warps``,
     ``num_stages``, ``block_q``, ``decode_group``, ``maxnreg`` (registers a thread at most): launch choices other
     than launch_shape's and DECODE_GROUP (bench/attention_decode.py and bench/attention_ab.py try them).
-    ``split_kv`` > 1: a decode step's positions walked by that many programs a sequence and KV head, whole tiles
-    each, their partial softmaxes merged by a second kernel (_merge_splits): a few sequences over long contexts
-    otherwise run a program per sequence and KV head on a GPU of 132 SMs."""
+    ``split_kv``: a decode step's positions walked by that many programs a sequence and KV head (launch_shape's
+    choice unless given), whole tiles each, their partial softmaxes merged by a second kernel (_merge_splits): a few
+    sequences would otherwise run a program per sequence and KV head on a GPU of 132 SMs."""
     t, heads, d = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
@@ -300,7 +307,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     launch = launch_shape(group, batch.max_query_len, seqs * kv_heads, sm_count(q.device), d)
     block_q, block_n = block_q or launch.block_q, block_n or launch.block_n
     out = torch.empty(t, heads, d, dtype=q.dtype, device=q.device)
-    splits = split_kv if batch.max_query_len == 1 else 1
+    splits = (split_kv or launch.splits) if batch.max_query_len == 1 else 1
     # split: each program's partial sums and softmax state, [T, heads, splits, d + 2] (fp32), then merged into out
     dest = out if splits == 1 else torch.empty(t, heads, splits, d + 2, dtype=torch.float32, device=q.device)
     grid: tuple[int, ...]
