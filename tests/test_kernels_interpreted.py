@@ -72,6 +72,24 @@ def test_paged_attention_compiles_for_hopper_in_every_launch_shape() -> None:
     assert _interpreted(code, execute=False) == 5
 
 
+def test_decode_of_fewer_programs_than_sms_is_split_to_about_four_programs_an_sm() -> None:
+    """launch_shape splits a decode step's positions only where its programs (sequences x KV heads) leave SMs idle:
+    a power of two of splits, at most MAX_SPLITS, as many as keep the programs at or under four an SM; never a step
+    with prompt rows."""
+    from engine.native.triton_attention import MAX_SPLITS, launch_shape
+
+    for sms in (132, 78, 16):
+        for programs in range(1, 3 * sms):
+            splits = launch_shape(4, 1, programs, sms).splits
+            assert launch_shape(4, 2, programs, sms).splits == 1
+            if programs >= sms:
+                assert splits == 1, (sms, programs)
+                continue
+            assert 1 < splits <= MAX_SPLITS and splits & (splits - 1) == 0, (sms, programs, splits)
+            assert programs * splits <= 4 * sms, (sms, programs, splits)
+            assert splits == MAX_SPLITS or programs * splits * 2 > 4 * sms, (sms, programs, splits)
+
+
 @pytest.mark.parametrize("t", [21, 75])
 def test_rope_kv_write_writes_each_token_to_its_slot(t: int) -> None:
     """A program a token at decode sizes; past them 32 tokens a program, the last block partly empty."""

@@ -272,16 +272,17 @@ def launch_shape(group: int, max_query_len: int, programs: int, sms: int, dim: i
     (sequences x KV heads) than SMs splits each sequence's positions over up to MAX_SPLITS programs, about four
     programs an SM in all, their partial softmaxes merged by a second kernel. On the H200, for llama3-8b's heads over
     32 layers, against the unsplit walk this replaced (256-wide tiles with 8 warps; bench/attention_ab.py --splits,
-    bench/results/gpu_attention_split_kv.json): batch 1 (16 splits) 174 against 295 us a step at 300 positions, 276
-    against 1,023 at 2,000, 649 against 3,865 at 8,000; batch 4 at 4,000 (16 splits) 772 against 2,066. At batch 64
-    (512 programs) splitting in two cost 754 -> 948 us at 300 positions: decode with as many programs as SMs is not
-    split."""
+    bench/results/gpu_attention_split_kv.json): batch 1 (16 splits) 173 against 296 us a step at 300 positions, 275
+    against 1,017 at 2,000, 650 against 3,855 at 8,000; batch 4 at 4,000 (16 splits) 772 against 2,059; batch 16 (4
+    splits) 361 against 394 at 300. At batch 64 (512 programs) splitting in two cost 744 -> 942 us at 300 positions:
+    decode with as many programs as SMs is not split."""
     group_p2 = triton.next_power_of_2(group)
     if max_query_len > 1:
         return Launch(max(1, 64 // group_p2), 64, 4, 2)
     rows = max(1, MIN_ROWS // group_p2)
     if programs < sms:
-        return Launch(rows, 64, 4, 3, min(MAX_SPLITS, 1 << ((4 * sms // programs).bit_length() - 1)))
+        per_program = 4 * sms // programs  # splits that make about four programs an SM; a power of two at most that
+        return Launch(rows, 64, 4, 3, min(MAX_SPLITS, 1 << (per_program.bit_length() - 1)))
     return Launch(rows, 64, 4, 3)
 
 
