@@ -209,15 +209,15 @@ def test_split_argmax_is_the_first_index_of_each_rows_max() -> None:
 
 
 def test_engine_kernels_of_llama3_8b_steps_spill_no_registers_and_pipeline_their_loads(tmp_path: Path) -> None:
-    """Every Triton launch of a llama3-8b fp8-block step (decode at 1-128 sequences, also split over programs;
+    """Every Triton launch of a llama3-8b fp8-block step (decode at 1-128 sequences, split over programs at 1 and 16;
     questions over a cached prefix beside decode rows; a fresh prompt: bench/kernel_resources.py, the engine's own
     wrappers with the step's shapes), compiled for sm_90 as the JIT specializes it, keeps its values in registers (a
     spill goes to local memory, a cliff the interpreter cannot show), and the attention and GEMM kernels' loops copy
     their tiles to shared memory asynchronously (the pipeliner gave up on none of their loads: without it every tile
     waits for its load)."""
     out = tmp_path / "resources.json"
-    run = subprocess.run([sys.executable, "bench/kernel_resources.py", "--decode", "split_kv=8", "--out", str(out)],
-                         cwd=REPO, capture_output=True, text=True, timeout=900)  # fmt: skip
+    run = subprocess.run([sys.executable, "bench/kernel_resources.py", "--out", str(out)], cwd=REPO,
+                         capture_output=True, text=True, timeout=900)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     steps = json.loads(out.read_text())["steps"]
     assert len(steps) == 6

@@ -267,7 +267,7 @@ class Launch(NamedTuple):
 MAX_SPLITS = 16
 
 
-def launch_shape(group: int, max_query_len: int, programs: int, sms: int, dim: int = 128) -> Launch:
+def launch_shape(group: int, max_query_len: int, programs: int, sms: int) -> Launch:
     """Single rows for decode, 64-row tiles for prefill; 64-wide key tiles with 4 warps. Decode with fewer programs
     (sequences x KV heads) than SMs splits each sequence's positions over up to MAX_SPLITS programs, about four
     programs an SM in all, their partial softmaxes merged by a second kernel. On the H200, for llama3-8b's heads over
@@ -305,7 +305,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
     seqs = batch.seq_lens.shape[0]
-    launch = launch_shape(group, batch.max_query_len, seqs * kv_heads, sm_count(q.device), d)
+    launch = launch_shape(group, batch.max_query_len, seqs * kv_heads, sm_count(q.device))
     block_q, block_n = block_q or launch.block_q, block_n or launch.block_n
     out = torch.empty(t, heads, d, dtype=q.dtype, device=q.device)
     splits = (split_kv or launch.splits) if batch.max_query_len == 1 else 1
