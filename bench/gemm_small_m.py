@@ -22,7 +22,6 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.gpu_step_profile import graphed_us
-from engine.native.fused_ops import Quantized
 from engine.native.triton_fp8 import fp8_block_gemm, quantize_groups
 
 GEMMS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -74,9 +73,6 @@ def main() -> None:
                         help="sweep swap-AB (weight rows on the MMA's M side) and TMA weight loads with block_n "
                              "64/128, 4/8 warps, 3/5 stages at the launch rule's split, then splits 1-16 for each row "
                              "count's and GEMM's three best")  # fmt: skip
-    parser.add_argument("--streamed", default="", help="instead: the launch rule against the streamed kernel at these "
-                                                       "programs an SM (e.g. 1,2,3,4) and 3-6 stages, the activations "
-                                                       "prequantized as in the step")  # fmt: skip
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
@@ -114,14 +110,6 @@ def main() -> None:
                     lambda x, w, s, bn=bn, warps=warps, stages=stages, split=split:
                     fp8_block_gemm(x, w, s, block_n=bn, num_warps=warps, num_stages=stages, split_k=split))  # fmt: skip
 
-            if args.streamed:
-                xq = Quantized(*quantize_groups(x, m), x.dtype, m)
-                variants = {"triton": lambda x, w, s, xq=xq: fp8_block_gemm(xq, w, s),
-                            "split-K": lambda x, w, s, xq=xq: fp8_block_gemm(xq, w, s, streamed=0)}  # fmt: skip
-                for per_sm, stages in itertools.product((int(v) for v in args.streamed.split(",")), (3, 4, 5, 6)):
-                    variants[f"streamed p{per_sm} s{stages}"] = (
-                        lambda x, w, s, xq=xq, per_sm=per_sm, stages=stages:
-                        fp8_block_gemm(xq, w, s, streamed=per_sm, num_stages=stages))  # fmt: skip
             case = (rows, name, x, ref, copies)
             measured = {label: us for label, fn in variants.items() if (us := measure(case, label, fn)) is not None}
             # --explore: the three best launch choices again, at every split of K

@@ -157,34 +157,6 @@ def test_block_fp8_gemm_matches_its_dequantized_operands_for_every_row_tile_and_
     """)
 
 
-def test_streamed_gemm_deals_the_weight_out_evenly_and_sums_shared_tiles_in_program_order() -> None:
-    """engine/native/triton_fp8.py's streamed GEMM: one row tile, the weight's (column tile, K block) units dealt to
-    the programs in equal shares; a tile one program walks whole goes straight to the output, a tile programs share
-    is summed by the second kernel. Program counts that leave every tile whole, some shared, and every one shared
-    (more programs than a tile has K blocks), against the dequantized operands in float32."""
-    _interpreted("""
-        import torch
-        from engine.native import triton_fp8
-        from engine.native.triton_fp8 import fp8_block_gemm, quantize_groups, streamed_launch
-        gen = torch.Generator().manual_seed(0)
-        n, k = 256, 512  # 4 column tiles of 64 x 4 K blocks: 16 units
-        w = (torch.randn(n, k, generator=gen) / 4).to(torch.float8_e4m3fn)
-        ws = torch.rand(n // 128, k // 128, generator=gen) + 0.5
-        w_ref = w.float() * ws.repeat_interleave(128, 0).repeat_interleave(128, 1)
-        assert streamed_launch(16, 4, 4) == (4, 1) and streamed_launch(16, 4, 3) == (3, 2)
-        assert streamed_launch(16, 4, 132) == (16, 1) and streamed_launch(16, 4, 6) == (6, 2)
-        for m in (1, 5, 16, 20, 64):
-            x = torch.randn(m, k, generator=gen)
-            q, s = quantize_groups(x, m)
-            ref = (q.float() * s.repeat_interleave(128, 1)) @ w_ref.T
-            for sms, per_sm, tma in ((4, 1, False), (3, 1, True), (3, 2, False), (132, 1, True)):
-                triton_fp8.sm_count = lambda device, sms=sms: sms
-                out = fp8_block_gemm(x, w, ws, streamed=per_sm, tma=tma)
-                assert out.shape == (m, n) and out.dtype == x.dtype
-                torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
-    """)
-
-
 def test_norm_and_activation_quantize_for_the_gemm_as_quantize_groups_does() -> None:
     """engine/native/fused_ops.py: RMSNorm (with the residual added) and SiLU-and-multiply hand a block-FP8 GEMM its
     operands quantized: the same fp8 codes and scales as quantize_groups of their unquantized output, the same

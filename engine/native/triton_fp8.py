@@ -24,7 +24,6 @@ bench/results/gpu_gemm_small_m.json: its "prequantized" rows are this kernel).
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
@@ -36,9 +35,6 @@ from engine.native.fused_ops import FP8_MAX, GROUP, SMALL_ROWS, Quantized, pdl_e
 BLOCK_K = 128
 MAX_SPLIT = 16  # the most K splits a launch picks: the partial sums' traffic grows with them
 SUM_ROWS = 4  # rows of a tile per program of split-K's _sum_planes
-# Programs an SM of the streamed GEMM (_fp8_block_gemm_streamed) at one row tile; 0: split-K's launch.
-# WARMGATE_FP8_STREAMED overrides it, for benchmarks.
-STREAMED = int(os.environ.get("WARMGATE_FP8_STREAMED", "0"))
 
 
 @triton.jit
@@ -110,106 +106,15 @@ def _sum_planes(part_ptr, out_ptr, M, stride_om, SPLITS: tl.constexpr, BLOCK_M: 
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], total.to(out_ptr.dtype.element_ty), mask=m_mask)
 
 
-@triton.jit
-def _fp8_block_gemm_streamed(
-    xq_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, M, UNITS, stride_xm, stride_xs, stride_wn, stride_sn, stride_om,
-    K_BLOCKS: tl.constexpr, SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    TMA: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
-    """One row tile (M <= BLOCK_M), the weight's (column tile, K block) units dealt out evenly: program p walks units
-    [p * UNITS // G, (p + 1) * UNITS // G) in order, column tile after column tile, in one pipelined loop. A tile it
-    walks whole goes straight to ``out``; a tile it shares leaves its fp32 partial in slot (p, tile - its first),
-    which _sum_shared adds up with the other programs' of that tile, in program order."""
-    pdl_enter(USE_PDL)
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    begin = pid * UNITS // programs
-    end = (pid + 1) * UNITS // programs
-    first_tile = begin // K_BLOCKS
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
-    rows = tl.arange(0, BLOCK_N)
-    m_mask = offs_m[:, None] < M
-    acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # swap-AB, as _fp8_block_gemm's: weight rows on wgmma's M
-    for unit in range(begin, end):
-        tile = unit // K_BLOCKS
-        k_block = unit - tile * K_BLOCKS
-        k0 = k_block * BLOCK_K
-        xq = tl.load(xq_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=m_mask, other=0.0)
-        x_scale = tl.load(xs_ptr + k_block * stride_xs + offs_m, mask=offs_m < M, other=0.0)
-        if TMA:
-            w = w_ptr.load([tile * BLOCK_N, k0])
-        else:
-            w = tl.load(w_ptr + (tile * BLOCK_N + rows)[:, None] * stride_wn + (k0 + offs_k)[None, :])
-        w_scale = tl.load(s_ptr + ((tile * BLOCK_N + rows) // 128) * stride_sn + k_block)
-        acc_t += tl.dot(w, tl.trans(xq)) * w_scale[:, None] * x_scale[None, :]
-        if k_block == K_BLOCKS - 1 or unit == end - 1:  # the tile ends here, or this program's share of it does
-            acc = tl.trans(acc_t)
-            offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-            if k_block == K_BLOCKS - 1 and tile * K_BLOCKS >= begin:
-                tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
-                         mask=m_mask)  # fmt: skip
-            else:
-                slot = part_ptr + (pid * SLOTS + tile - first_tile) * BLOCK_M * BLOCK_N
-                tl.store(slot + offs_m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :], acc, mask=m_mask)
-            acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-
-
-@triton.jit
-def _sum_shared(part_ptr, out_ptr, M, UNITS, PROGRAMS, stride_om, K_BLOCKS: tl.constexpr, SLOTS: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
-    """_fp8_block_gemm_streamed's second kernel: ROWS rows of one column tile that several programs shared, their
-    partials added in program order (deterministic); a tile one program walked whole is already in ``out``."""
-    pdl_enter(USE_PDL)
-    tile = tl.program_id(0)
-    first = _program_of(tile * K_BLOCKS, UNITS, PROGRAMS)
-    last = _program_of(tile * K_BLOCKS + K_BLOCKS - 1, UNITS, PROGRAMS)
-    if first != last:
-        rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
-        cols = tl.arange(0, BLOCK_N)
-        m_mask = rows[:, None] < M
-        total = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-        for p in range(first, last + 1):
-            slot = p * SLOTS + tile - (p * UNITS // PROGRAMS) // K_BLOCKS
-            total += tl.load(part_ptr + slot * BLOCK_M * BLOCK_N + rows[:, None] * BLOCK_N + cols[None, :], mask=m_mask,
-                             other=0.0)  # fmt: skip
-        tl.store(out_ptr + rows[:, None] * stride_om + (tile * BLOCK_N + cols)[None, :],
-                 total.to(out_ptr.dtype.element_ty), mask=m_mask)  # fmt: skip
-
-
-@triton.jit
-def _program_of(unit, units, programs):
-    """The program whose units [p * units // programs, (p + 1) * units // programs) hold ``unit``."""
-    return ((unit + 1) * programs - 1) // units
-
-
-@functools.cache
-def streamed_launch(units: int, k_blocks: int, programs: int) -> tuple[int, int]:
-    """(programs, slots): at most ``programs`` programs for ``units`` units (no empty ones), and the most column tiles
-    one program's share touches (its partials' slots)."""
-    programs = min(programs, units)
-    slots = max((((p + 1) * units // programs - 1) // k_blocks) - (p * units // programs) // k_blocks + 1
-                for p in range(programs))  # fmt: skip
-    return programs, slots
-
-
 def fp8_block_gemm(x: torch.Tensor | Quantized, w: torch.Tensor, s: torch.Tensor, block_n: int | None = None,
                    split_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                   swap_ab: bool = True, tma: bool | None = None,
-                   streamed: int | None = None) -> torch.Tensor:  # fmt: skip
+                   swap_ab: bool = True, tma: bool | None = None) -> torch.Tensor:  # fmt: skip
     """x [M, Kp] bf16 (or already quantized: engine/native/fused_ops.py), w [Np, Kp] fp8, s [>=Np/128, >=Kp/128]
-    fp32 -> [M, Np] in x's dtype. Launch choices left as None follow the rule below. ``streamed``: one row tile's
-    weight dealt out evenly to that many programs an SM (_fp8_block_gemm_streamed) instead of split over K;
-    None: STREAMED where that kernel applies (M <= 64, swap-AB), 0: never."""
+    fp32 -> [M, Np] in x's dtype. Launch choices left as None follow the rule below."""
     xq, xs, dtype = x[:3] if isinstance(x, Quantized) else (*quantize_groups(x, x.shape[0]), x.dtype)
     m, kp = xq.shape
     np_ = w.shape[0]
     block_m = min(64, max(16, triton.next_power_of_2(m)))
-    if streamed is None:
-        streamed = STREAMED if swap_ab and m <= block_m and split_k is None else 0
-    if streamed:
-        return _streamed(xq, xs, dtype, w, s, block_m, block_n or 64, num_warps or 4,
-                         num_stages or (5 if block_m == 16 else 3), tma, streamed)  # fmt: skip
     # Launch choices from H200 sweeps (bench/gemm_small_m.py --splits, then --explore:
     # bench/results/gpu_gemm_small_m_{splits,explore}.json): 64 columns and 4 warps a program, K split so that there
     # are at least 2.5 programs per SM, the weight tile as the MMA's left operand (swap-AB: its 64 rows on the side
@@ -246,34 +151,6 @@ def fp8_block_gemm(x: torch.Tensor | Quantized, w: torch.Tensor, s: torch.Tensor
         _sum_planes[(n_programs, m_tiles, block_m // SUM_ROWS)](
             part, out, m, out.stride(0), SPLITS=split_k, BLOCK_M=block_m, BLOCK_N=block_n, ROWS=SUM_ROWS, USE_PDL=pdl,
             num_warps=4, launch_pdl=pdl,
-        )  # fmt: skip
-    return out
-
-
-def _streamed(xq: torch.Tensor, xs: torch.Tensor, dtype: torch.dtype, w: torch.Tensor, s: torch.Tensor,
-              block_m: int, block_n: int, num_warps: int, num_stages: int, tma: bool | None,
-              per_sm: int) -> torch.Tensor:  # fmt: skip
-    m, kp = xq.shape
-    if m > block_m:
-        raise ValueError(f"the streamed GEMM takes one row tile: {m} rows > {block_m}")
-    n_tiles, k_blocks = w.shape[0] // block_n, kp // BLOCK_K
-    units = n_tiles * k_blocks
-    programs, slots = streamed_launch(units, k_blocks, per_sm * sm_count(xq.device))
-    if tma is None:
-        tma = block_m == 16 and w.data_ptr() % 16 == 0 and w.stride(1) == 1 and _tensor_descriptor() is not None
-    out = torch.empty(m, w.shape[0], dtype=dtype, device=xq.device)
-    part = torch.empty(programs * slots * block_m * block_n, dtype=torch.float32, device=xq.device)
-    w_arg = _tensor_descriptor().from_tensor(w, [block_n, BLOCK_K]) if tma else w
-    pdl = pdl_enabled(xq.device) and m <= SMALL_ROWS
-    _fp8_block_gemm_streamed[(programs,)](
-        xq, xs, w_arg, s, out, part, m, units, xq.stride(0), xs.stride(1), w.stride(0), s.stride(0), out.stride(0),
-        K_BLOCKS=k_blocks, SLOTS=slots, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, TMA=tma, USE_PDL=pdl,
-        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
-    )  # fmt: skip
-    if units % programs or units // programs % k_blocks:  # some tile was shared by programs
-        _sum_shared[(n_tiles, block_m // SUM_ROWS)](
-            part, out, m, units, programs, out.stride(0), K_BLOCKS=k_blocks, SLOTS=slots, BLOCK_M=block_m,
-            BLOCK_N=block_n, ROWS=SUM_ROWS, USE_PDL=pdl, num_warps=4, launch_pdl=pdl,
         )  # fmt: skip
     return out
 
