@@ -6,9 +6,10 @@ the per-block scaling (``scale``: one plain wgmma chain); the split-K sum (``red
 counter only, 3 without the barrier before it, 4 a second kernel of ``rows``-row programs with ``sum_warps`` warps,
 what the engine does now, ``live_rows`` leaving out the programs of rows past M); the activations (``xfixed``: every
 program reads one L2-hot tile); the dot (``dot``: weights streamed and summed without one); the operand order
-(``swap``); the counters' spacing (``cstride``). Activations come prequantized, as in the step; each variant is
-timed in a CUDA graph with the weights cycled past the L2 (as bench/gemm_small_m.py does), its relative error
-against the engine's fp8_block_gemm printed beside it.
+(``swap``); the counters' spacing (``cstride``); the weight's layout (``tiled``: each 64 x 128 tile one run of 8
+KiB, a column tile's K blocks one after another, against rows of K bytes). Activations come prequantized, as in the
+step; each variant is timed in a CUDA graph with the weights cycled past the L2 (as bench/gemm_small_m.py does), its
+relative error against the engine's fp8_block_gemm printed beside it.
 
     PYTHONPATH=/tmp/site:$PWD python3 bench/gemm_split_k_probe.py --out $OUT/probe.json --rows 1,16,64 \
         --variants rule,noreduce,atomic_only,nobarrier,spread,kernel2,kernel2_r4,kernel2_split16,split2,kernel2_w8
@@ -48,6 +49,10 @@ VARIANTS = {
     "s4": {"num_stages": 4}, "s5": {"num_stages": 5}, "tma": {"tma": True}, "w8": {"num_warps": 8},
     "w8_split4": {"num_warps": 8, "split_k": 4}, "noswap": {"swap": False},
     "noswap_noscale": {"swap": False, "scale": False},
+    "kernel2_r4_notma": {"reduce": 4, "rows": 4, "tma": False},
+    "kernel2_r4_tiled": {"reduce": 4, "rows": 4, "tiled": True},
+    "kernel2_r4_tiled_notma": {"reduce": 4, "rows": 4, "tiled": True, "tma": False},
+    "noreduce_tiled": {"reduce": 0, "tiled": True},
 }  # fmt: skip
 _COUNTERS: dict[int, torch.Tensor] = {}
 
@@ -57,7 +62,8 @@ def _probe_gemm(
     xq_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, stride_xm, stride_xs, stride_wn, stride_sn,
     stride_om, SPLITS: tl.constexpr, K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, TMA: tl.constexpr, USE_PDL: tl.constexpr, SCALE: tl.constexpr, REDUCE: tl.constexpr,
-    CSTRIDE: tl.constexpr, XFIXED: tl.constexpr, DOT: tl.constexpr, SWAP: tl.constexpr,
+    CSTRIDE: tl.constexpr, XFIXED: tl.constexpr, DOT: tl.constexpr, SWAP: tl.constexpr, TILED: tl.constexpr,
+    K_BLOCKS: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(USE_PDL)
     pid_n = tl.program_id(0)
@@ -74,7 +80,13 @@ def _probe_gemm(
         kx = 0 if XFIXED else k0
         xq = tl.load(xq_ptr + offs_m[:, None] * stride_xm + (kx + offs_k)[None, :], mask=m_mask, other=0.0)
         x_scale = tl.load(xs_ptr + (kx // BLOCK_K) * stride_xs + offs_m, mask=offs_m < M, other=0.0)
-        if TMA:
+        if TILED:  # each BLOCK_N x 128 tile of the weight one contiguous run of bytes (tiled(): K blocks in a row)
+            first = (pid_n * K_BLOCKS + k0 // BLOCK_K) * BLOCK_N
+            if TMA:
+                w = w_ptr.load([first, 0])
+            else:
+                w = tl.load(w_ptr + (first + tl.arange(0, BLOCK_N))[:, None] * BLOCK_K + offs_k[None, :])
+        elif TMA:
             w = w_ptr.load([pid_n * BLOCK_N, k0])
         else:
             w = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :])
@@ -114,14 +126,22 @@ def _probe_gemm(
                 tl.atomic_xchg(counter, 0)
 
 
+def tiled(w: torch.Tensor, block_n: int = 64) -> torch.Tensor:
+    """[N, K] -> [N * K / 128, 128]: the BLOCK_N x 128 tiles one after another, a column tile's K blocks in a row."""
+    n, k = w.shape
+    return w.view(n // block_n, block_n, k // 128, 128).permute(0, 2, 1, 3).contiguous().view(-1, 128)
+
+
 def launch(x: Quantized, w: torch.Tensor, s: torch.Tensor, block_n: int = 64, split_k: int | None = None,
            num_warps: int = 4, num_stages: int | None = None, tma: bool | None = None, swap: bool = True,
            scale: bool = True, reduce: int = 1, xfixed: bool = False, dot: bool = True, cstride: int = 1,
-           rows: int = 16, sum_warps: int = 4, live_rows: bool = False) -> torch.Tensor:  # fmt: skip
-    """One probe GEMM with the pre-2026-12-03 launch rule for whatever is left as None."""
+           rows: int = 16, sum_warps: int = 4, live_rows: bool = False,
+           tiled: bool = False) -> torch.Tensor:  # fmt: skip
+    """One probe GEMM with the pre-2026-12-03 launch rule for whatever is left as None. ``tiled``: ``w`` comes as
+    tiled(w) makes it."""
     xq, xs, dtype, _ = x
     m, kp = xq.shape
-    np_ = w.shape[0]
+    np_ = s.shape[0] * 128 if tiled else w.shape[0]
     block_m = min(64, max(16, triton.next_power_of_2(m)))
     tma = block_m == 16 if tma is None else tma
     num_stages = num_stages or (5 if block_m == 16 else 3)
@@ -140,7 +160,8 @@ def launch(x: Quantized, w: torch.Tensor, s: torch.Tensor, block_n: int = 64, sp
     _probe_gemm[(n_programs, split_k, m_tiles)](
         xq, xs, w_arg, s, out, part, counters, m, xq.stride(0), xs.stride(1), w.stride(0), s.stride(0), out.stride(0),
         SPLITS=split_k, K_PER_SPLIT=kp // split_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, TMA=tma,
-        USE_PDL=pdl, SCALE=scale, REDUCE=reduce, CSTRIDE=cstride, XFIXED=xfixed, DOT=dot, SWAP=swap,
+        USE_PDL=pdl, SCALE=scale, REDUCE=reduce, CSTRIDE=cstride, XFIXED=xfixed, DOT=dot, SWAP=swap, TILED=tiled,
+        K_BLOCKS=k_blocks,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )  # fmt: skip
     if reduce == 4 and split_k > 1:
@@ -172,15 +193,19 @@ def main() -> None:
                 kw = VARIANTS[label]
                 if (k // 128) % kw.get("split_k", 1):
                     continue
+                weights = copies
+                if kw.get("tiled"):
+                    weights = [(tiled(w, kw.get("block_n", 64)), s) for w, s in copies]  # type: ignore[arg-type]
                 try:
-                    err = ((launch(xq, *copies[0], **kw).float() - ref).norm() / ref.norm()).item()
-                    turn = itertools.cycle(copies)
+                    err = ((launch(xq, *weights[0], **kw).float() - ref).norm() / ref.norm()).item()
+                    turn = itertools.cycle(weights)
                     us = graphed_us(lambda kw=kw: launch(xq, *next(turn), **kw), calls=2 * len(copies))
                 except Exception as exc:  # a launch that does not fit (shared memory): recorded, skipped
                     row: dict[str, object] = {"gemm": name, "m": m, "variant": label, "error": str(exc)[:150]}
                 else:
                     row = {"gemm": name, "m": m, "variant": label, "us": round(us, 2),
                            "tb_s": round(n * k / us / 1e6, 2), "err": round(err, 4)}  # fmt: skip
+                del weights
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 args.out.write_text(json.dumps(rows, indent=1))
