@@ -8,6 +8,7 @@ and with pauses. Each replay or eager pass is timed with CUDA events. nvidia-smi
 and the active clock-event (throttle) reasons every 50 ms meanwhile; each mode reports the samples in its window.
 
     PYTHONPATH=/tmp/site:$PWD python3 bench/prefill_clocks_probe.py --out $OUT/prefill_clocks.json
+    # not run yet (docs/benchmarks.md, thirty-second session):
     PYTHONPATH=/tmp/site:$PWD python3 bench/prefill_clocks_probe.py --out $OUT/decode_clocks.json \
         --model /tmp/wg/llama3-8b-fp8-block --batches 1,64
 """
