@@ -8,6 +8,7 @@ do.
 
     python bench/engine_host.py [--streams 64] [--step-ms 6] [--seconds 20] [--logprobs N]
                                 [--profile engine|loop] [--fronts N] [--out FILE]
+    python bench/engine_host.py --burst 64 [--rounds 10] [--prompt-len 160] [--shared-prefix N | --chat-words N] ...
 
 Reported: output tokens/s and each request's time to its first chunk (``ttft_ms``); CPU microseconds per generated
 token of the engine thread, the HTTP loops (the front processes' main threads, engine/front.py; the worker's own
@@ -193,12 +194,15 @@ async def load(socket_path: str, streams: int, seconds: float, max_tokens: int, 
 
 
 async def bursts(socket_path: str, size: int, rounds: int, prompt_len: int, max_tokens: int, vocab: int,
-                 resumed: int = 0, shared_prefix: int = 0) -> list[list[tuple[float, float]]]:  # fmt: skip
+                 resumed: int = 0, shared_prefix: int = 0,
+                 chat_words: int = 0) -> list[list[tuple[float, float]]]:  # fmt: skip
     """``rounds`` times, ``size`` streaming requests sent at once (distinct prompts of ``prompt_len`` token ids, as
     a wave of new requests), each round once the one before ended: each round's seconds from its sending to each
     request's opening and first token. ``resumed``: each is a request resumed after that many tokens (the gateway's
     ``warmgate_resume``, as the relays send the streams a crash moved to a new engine). ``shared_prefix``: every
-    prompt starts with the same that many token ids (a system prompt: with prefix caching, computed once)."""
+    prompt starts with the same that many token ids (a system prompt: with prefix caching, computed once).
+    ``chat_words``: chat requests instead, as text: a system message of that many words every request shares and a
+    question of ``prompt_len`` words of its own (the front renders and tokenizes them)."""
     import random
 
     import httpx
@@ -207,24 +211,36 @@ async def bursts(socket_path: str, size: int, rounds: int, prompt_len: int, max_
 
     rng = random.Random(0)
     shared = [rng.randrange(1000, vocab - 1000) for _ in range(shared_prefix)]
+    syllables = ["ka", "lo", "mi", "ren", "tas", "or", "ul", "be", "si", "con", "ter", "ing", "pro", "ex", "al", "ma",
+                 "ti", "on", "er", "an", "de", "vel", "str", "ous"]  # fmt: skip
+    words = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 3))) for _ in range(3000)]
+    system = " ".join(rng.choice(words) for _ in range(chat_words))
     clients = [httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=socket_path), base_url="http://engine",
                                  timeout=120) for _ in range(size)]  # fmt: skip
 
     async def one(http: httpx.AsyncClient, prompt: list[int], sent: float) -> tuple[float, float]:
         """Seconds to the stream's opening (the engine admitted it: its first chunk, a comment of the internal
-        stream) and to its first token (its first data event)."""
+        stream) and to its first token (its first data event; a chat's first after its role chunk)."""
         body: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens + resumed, "temperature": 0,
                                 "ignore_eos": True, "stream": True}  # fmt: skip
+        path, first_data = "/v1/completions", 1
+        if chat_words:
+            question = " ".join(words[i % len(words)] for i in prompt)
+            body = {**{k: v for k, v in body.items() if k != "prompt"}, "messages": [
+                {"role": "system", "content": system}, {"role": "user", "content": question}]}  # fmt: skip
+            path, first_data = "/v1/chat/completions", 2
         if resumed:
             output = [rng.randrange(1000, vocab - 1000) for _ in range(resumed)]
             body["warmgate_resume"] = {"id": f"cmpl-{id(prompt)}", "created": 0, "prompt_ids": prompt,
                                        "output_ids": output, "chars": 0, "started": True}  # fmt: skip
         opened = token = None
-        async with http.stream("POST", "/v1/completions", json=body, headers={RESUMABLE_HEADER: "1"}) as response:
+        data = 0
+        async with http.stream("POST", path, json=body, headers={RESUMABLE_HEADER: "1"}) as response:
             assert response.status_code == 200, await response.aread()
             async for chunk in response.aiter_raw():
                 opened = opened or time.perf_counter()
-                if token is None and b"data: {" in chunk:
+                data += chunk.count(b"data: {")
+                if token is None and data >= first_data:
                     token = time.perf_counter()
         assert opened is not None and token is not None
         return opened - sent, token - sent
@@ -259,6 +275,9 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=160)
     parser.add_argument("--shared-prefix", type=int, default=0,
                         help="--burst: token ids every prompt starts with (before its own --prompt-len)")
+    parser.add_argument("--chat-words", type=int, default=0,
+                        help="--burst: chat requests as text instead, a system message of this many words shared, "
+                             "a question of --prompt-len words")  # fmt: skip
     parser.add_argument("--profile", choices=("engine", "loop"), help="profile this thread")
     parser.add_argument("--fronts", type=int, default=1,
                         help="the engine's front processes (front_processes; 0: its HTTP API in the worker's process)")
@@ -277,7 +296,7 @@ def main() -> None:
     model = synth_checkpoint(tmp / "tiny", {**SHAPES["smollm2-135m"], **TINY}, "bf16", tokenizer=demo,
                              progress=False)  # fmt: skip
     socket_path = str(tmp / "engine.sock")
-    longest = args.shared_prefix + args.prompt_len + args.max_tokens
+    longest = args.shared_prefix + 2 * args.chat_words + args.prompt_len + args.max_tokens
     config = json.dumps({"model": str(model), "device": "cpu", "max_num_seqs": max(args.streams, args.burst),
                          "max_model_len": max(1024, 2 * longest), "front_processes": args.fronts})  # fmt: skip
     profile = tmp / f"{args.profile}.prof" if args.profile else None
@@ -314,15 +333,15 @@ def quantiles(samples: list[float], points: dict[str, float]) -> dict[str, float
 
 def measure_bursts(args: argparse.Namespace, socket_path: str, pid: int, vocab: int) -> dict[str, Any]:
     asyncio.run(bursts(socket_path, args.burst, 1, args.prompt_len, args.max_tokens, vocab, 0,
-                       args.shared_prefix))  # warm  # fmt: skip
+                       args.shared_prefix, args.chat_words))  # warm  # fmt: skip
     before = thread_cpu(pid) or {}
     rounds = asyncio.run(bursts(socket_path, args.burst, args.rounds, args.prompt_len, args.max_tokens, vocab,
-                                args.resumed, args.shared_prefix))  # fmt: skip
+                                args.resumed, args.shared_prefix, args.chat_words))  # fmt: skip
     after = thread_cpu(pid) or {}
     requests = args.burst * args.rounds
     points = {"p50": 0.5, "p90": 0.9, "max": 1.0}
     return {"burst": args.burst, "rounds": args.rounds, "prompt_len": args.prompt_len,
-            "shared_prefix": args.shared_prefix, "resumed": args.resumed,
+            "shared_prefix": args.shared_prefix, "chat_words": args.chat_words, "resumed": args.resumed,
             "max_tokens": args.max_tokens, "step_ms": args.step_ms, "token_us": args.token_us,
             "admitted_ms": quantiles([t[0] for r in rounds for t in r], points),
             "first_token_ms": quantiles([t[1] for r in rounds for t in r], points),

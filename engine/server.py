@@ -425,6 +425,15 @@ class EngineAPI:
             self.release(answer)
 
 
+    async def prompts(self, request: GenerationRequest) -> list[list[int]]:
+        """Token ids of the request's prompts. A long text is tokenized in a worker thread: the tokenizer lets go of
+        the GIL, so this loop goes on serving the other streams (and the engine thread stepping, where it shares the
+        process) for the milliseconds that takes, and a burst of such requests tokenizes on several cores."""
+        build = self.chat_prompts if isinstance(request, ChatCompletionRequest) else self.completion_prompts
+        if _text_chars(request) < THREADED_TEXT_CHARS:
+            return build(request)  # type: ignore[arg-type]
+        return await asyncio.to_thread(build, request)  # type: ignore[arg-type]
+
     def completion_prompts(self, request: CompletionRequest) -> list[list[int]]:
         """Token ids of a text completion's prompts: text, token ids, or a list of either (several prompts)."""
         if request.warmgate_resume is not None:
@@ -508,6 +517,23 @@ GENERATION: dict[str, tuple[type[GenerationRequest], str, str]] = {
 }
 
 
+# Prompts of at least this many characters are tokenized off the event loop (EngineAPI.prompts): 2,048 characters of
+# English are ~420 tokens, 0.42 ms of SmolLM2's tokenizer on the CI machine, against 0.055 ms for a hand-off to a
+# thread and back.
+THREADED_TEXT_CHARS = 2048
+
+
+def _text_chars(request: GenerationRequest) -> int:
+    """The characters of text a request's prompts are made of: what tokenizing them costs grows with it."""
+    if isinstance(request, ChatCompletionRequest):
+        return sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text or "") for p in m.content or ())
+                   for m in request.messages)  # fmt: skip
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(len(p) for p in prompt) if isinstance(prompt[0], str) else 0  # token ids: nothing to tokenize
+
+
 def _parse(kind: type[GenerationRequest], body: bytes) -> GenerationRequest:
     """The request from its JSON body: read by pydantic's own parser; a body that parser refuses as JSON is read by
     Python's, as FastAPI did (it takes lone surrogate escapes, which the prompt checks then name, and NaN)."""
@@ -583,10 +609,7 @@ class EngineApp:
         received = time.monotonic()
         request = _parse(kind, await _body(receive))
         api.check_model(request.model)
-        if isinstance(request, ChatCompletionRequest):
-            prompts = api.chat_prompts(request)
-        else:
-            prompts = api.completion_prompts(request)
+        prompts = await api.prompts(request)
         grammar = await api.grammar(request)
         internal = (RESUMABLE_HEADER.encode(), b"1") in scope["headers"]
         answer = api.admit(request, prompts, prompt_param, id_prefix, internal, grammar)

@@ -137,7 +137,13 @@ class ChatTokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a plain prompt; special tokens only where the tokenizer's post-processor adds them."""
-        return self._tokenizer.encode(text, add_special_tokens=True).ids
+        return self._ids(text, add_special_tokens=True)
+
+    def _ids(self, text: str, add_special_tokens: bool) -> list[int]:
+        # The batch path without offsets: the same ids as Tokenizer.encode, which also works out every token's
+        # character offsets while holding the GIL; this one releases the GIL (two threads encode at once) and takes
+        # ~0.7 of the time: SmolLM2's tokenizer on a 1,757-token chat, 1.70 ms against 2.36 on this CI machine.
+        return self._tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """The prompt text the chat template makes of the messages."""
@@ -156,7 +162,7 @@ class ChatTokenizer:
 
     def encode_rendered(self, text: str) -> list[int]:
         """Token ids of a rendered chat: the template writes its own special tokens, so none are added."""
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
+        return self._ids(text, add_special_tokens=False)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of the token ids."""
