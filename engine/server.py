@@ -429,10 +429,13 @@ class EngineAPI:
         """Token ids of the request's prompts. A long text is tokenized in a worker thread: the tokenizer lets go of
         the GIL, so this loop goes on serving the other streams (and the engine thread stepping, where it shares the
         process) for the milliseconds that takes, and a burst of such requests tokenizes on several cores."""
-        build = self.chat_prompts if isinstance(request, ChatCompletionRequest) else self.completion_prompts
-        if _text_chars(request) < THREADED_TEXT_CHARS:
-            return build(request)  # type: ignore[arg-type]
-        return await asyncio.to_thread(build, request)  # type: ignore[arg-type]
+
+        def build() -> list[list[int]]:
+            if isinstance(request, ChatCompletionRequest):
+                return self.chat_prompts(request)
+            return self.completion_prompts(request)
+
+        return build() if _text_chars(request) < THREADED_TEXT_CHARS else await asyncio.to_thread(build)
 
     def completion_prompts(self, request: CompletionRequest) -> list[list[int]]:
         """Token ids of a text completion's prompts: text, token ids, or a list of either (several prompts)."""
