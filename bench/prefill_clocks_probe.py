@@ -56,23 +56,22 @@ def layer_chain(rows: int) -> Callable[[], None]:
     return run
 
 
-_ENGINES: list[object] = []  # the engines whose graphs are timed stay alive until the end
-
-
-def decode_graph(model: Path, batch: int) -> Callable[[], None]:
-    """The replay of an engine's decode graph with ``batch`` sequences of ~300 positions admitted into it."""
-    from bench.gpu_step_profile import fill
+def decode_engine(model: Path) -> Any:
+    """An engine of ``model`` with the serving benchmarks' settings (bench/gpu_step_profile.py's)."""
     from engine.config import EngineConfig
     from engine.native.llm_engine import LLMEngine
 
-    if not _ENGINES:
-        _ENGINES.append(LLMEngine(EngineConfig(model=model, device="cuda", max_num_seqs=128, max_model_len=2048,
-                                               max_num_batched_tokens=1024, kv_cache_bytes=20 * 10**9)))  # fmt: skip
-    engine: Any = _ENGINES[0]
-    gen = torch.Generator().manual_seed(batch)
-    for seq in [*engine.scheduler.running, *engine.scheduler.waiting]:
-        engine.scheduler.finish(seq)
-    fill(engine, batch, gen, 300)
+    return LLMEngine(EngineConfig(model=model, device="cuda", max_num_seqs=128, max_model_len=2048,
+                                  max_num_batched_tokens=1024, kv_cache_bytes=20 * 10**9))  # fmt: skip
+
+
+def decode_graph(engine: Any, batch: int) -> Callable[[], None]:
+    """The replay of the engine's decode graph for ``batch`` sequences, ``batch`` sequences of ~300 positions now
+    admitted in place of whatever ran before (a smaller graph replayed later reads the first of them)."""
+    from bench.gpu_step_profile import clear, fill
+
+    clear(engine)
+    fill(engine, batch, torch.Generator().manual_seed(batch), 300)
     for _ in range(3):
         engine._step()
     torch.cuda.synchronize()
@@ -130,11 +129,12 @@ def main() -> None:
     parser.add_argument("--model", type=Path, help="time the engine's decode graphs of this model instead")
     parser.add_argument("--batches", default="1,64")
     args = parser.parse_args()
-    tflop = LAYERS * 2 * args.rows * sum(n * k for n, k in GEMMS.values()) / 1e12
+    tflop = 0.0 if args.model else LAYERS * 2 * args.rows * sum(n * k for n, k in GEMMS.values()) / 1e12
     modes: dict[str, tuple[Callable[[], None], float]] = {}
     if args.model:
+        engine = decode_engine(args.model)  # alive until the end: its graphs are what is timed
         for batch in (int(b) for b in args.batches.split(",")):
-            replay = decode_graph(args.model, batch)
+            replay = decode_graph(engine, batch)
             modes[f"decode {batch} back to back"] = (replay, 0.0)
             modes[f"decode {batch} with pauses"] = (replay, args.pause_ms / 1e3)
     else:
@@ -164,7 +164,8 @@ def main() -> None:
             median = statistics.median(ms)
             result[name] = {"steps": len(ms), "first_ms": round(ms[0], 3), "median_ms": round(median, 3),
                             "second_half_median_ms": round(statistics.median(tail), 3),
-                            "tflops_median": round(tflop / median * 1e3, 1), "_window": (t0, t1)}  # fmt: skip
+                            **({"tflops_median": round(tflop / median * 1e3, 1)} if tflop else {}),
+                            "_window": (t0, t1)}  # fmt: skip
             print(name, {k: v for k, v in result[name].items() if k != "_window"}, flush=True)  # type: ignore[union-attr]
     finally:
         smi.terminate()
