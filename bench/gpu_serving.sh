@@ -126,15 +126,16 @@ PY
             # question, with the cache on (the default) and off, the streams started together after the warm-up
             # (waves) and with their starts spread over 2 s (serve_load --ramp-s); PREFIX_RAMPS overrides the spreads
             # ("0 2"), PREFIX_CACHING the settings ("true false"), PREFIX_SET adds one engine setting to every run
-            # (e.g. max_num_batched_tokens=512, also in the names). ~1 min per run on a warm machine.
+            # (e.g. max_num_batched_tokens=512, also in the names); PREFIX_CHAT=1 sends chat requests as text (the
+            # acceptance's wording; serve_load --chat) instead of token ids. ~1 min per run on a warm machine.
             for ramp in ${PREFIX_RAMPS:-0 2}; do
               for caching in ${PREFIX_CACHING:-true false}; do
-                NAME=prefix-$caching-ramp$ramp${PREFIX_SET:+-${PREFIX_SET//=/}}
+                NAME=prefix-$caching-ramp$ramp${PREFIX_SET:+-${PREFIX_SET//=/}}${PREFIX_CHAT:+-chat}
                 timeout -k 30 ${PREFIX_TIMEOUT:-270} python3 bench/serve_load.py --model $MODEL --device cuda \
                   --max-num-seqs 128 --kv-cache-bytes 20000000000 --out $RUN/$NAME --deadline-s 200 \
                   --concurrency 64 --requests-per-client 4 --direct-concurrency 0 --restart-probe 0 \
                   --shared-prefix 2000 --prompt-len 50 --engine-set enable_prefix_caching=$caching \
-                  ${PREFIX_SET:+--engine-set $PREFIX_SET} --ramp-s $ramp 2>&1 | tail -8
+                  ${PREFIX_SET:+--engine-set $PREFIX_SET} ${PREFIX_CHAT:+--chat} --ramp-s $ramp 2>&1 | tail -8
                 cp $RUN/$NAME/serve_load.md $OUT/$NAME.md 2>/dev/null
                 cp $RUN/$NAME/serve_load.json $OUT/$NAME.json 2>/dev/null
               done

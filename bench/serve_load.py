@@ -19,10 +19,10 @@ The script writes a TOML config from its flags ([engine] from --max-num-seqs etc
 limit (the server inherits it), starts `python -m app.cli serve` (log: OUT/serve.log) and waits for GET /ready. Then:
 N sequential requests right after the first ready (first requests after an engine start); a closed-loop sweep (C
 streams sending streamed /v1/completions back to back: distinct random token-id prompts, temperature 0, ignore_eos,
-usage in the last chunk), once the standby engines have started; the same load at --direct-concurrency straight to
-the active engine's Unix socket (from /admin/status), right after the gateway level of the same concurrency; POST
-/admin/restart (overlap) and N sequential requests again. Each level: one warm-up request per stream (--warmup), then
-max(C x requests-per-client, 16) counted ones.
+usage in the last chunk; with --chat, streamed /v1/chat/completions of text), once the standby engines have started;
+the same load at --direct-concurrency straight to the active engine's Unix socket (from /admin/status), right after
+the gateway level of the same concurrency; POST /admin/restart (overlap) and N sequential requests again. Each
+level: one warm-up request per stream (--warmup), then max(C x requests-per-client, 16) counted ones.
 
 The load client is --client-procs processes (spawned), each an asyncio client (a small HTTP/1.1 client over TCP or a
 Unix socket, keep-alive; or httpx with --client httpx) running its share of the C streams; every request's samples
@@ -153,9 +153,15 @@ def write_config(args: argparse.Namespace, path: Path) -> str:
     return text
 
 
-def prompt_source(args: argparse.Namespace) -> Callable[[], list[int]]:
+Prompt = list[int] | dict[str, Any]  # token ids (a completion), or a chat's {"messages": ..., "tokens": ...}
+
+
+def prompt_source(args: argparse.Namespace) -> Callable[[], Prompt]:
     """Distinct random token-id prompts, lengths uniform in prompt_len ± jitter, from a seeded RNG; with
-    --shared-prefix N, each after the same N random tokens (a system prompt every request shares)."""
+    --shared-prefix N, each after the same N random tokens (a system prompt every request shares). With --chat,
+    chat messages instead (chat_source)."""
+    if args.chat:
+        return chat_source(args)
     rng, seen = random.Random(args.seed), set()
     prefix = tuple(rng.randrange(1000, args.vocab - 1000) for _ in range(args.shared_prefix))
 
@@ -166,6 +172,39 @@ def prompt_source(args: argparse.Namespace) -> Callable[[], list[int]]:
             if ids not in seen:
                 seen.add(ids)
                 return list(ids)
+
+    return next_prompt
+
+
+def chat_source(args: argparse.Namespace) -> Callable[[], Prompt]:
+    """Chat requests as text, as a chat client sends them: a system message of --shared-prefix words every request
+    shares, then a user message of its own, prompt_len ± jitter words, distinct. The words are the model tokenizer's
+    (CHECKPOINT/tokenizer.json) lowercase ones that are one token after a space, so a message of N words is N
+    tokens; ``tokens``: the two messages' tokens, as the tokenizer counts them (the chat template adds its own)."""
+    from tokenizers import Tokenizer
+
+    path = (args.model or Path("(no --model)")) / "tokenizer.json"
+    if not path.is_file():
+        raise SystemExit(f"--chat: no tokenizer at {path} (give --model, the checkpoint the server runs)")
+    tokenizer = Tokenizer.from_file(str(path))
+    rng, seen = random.Random(args.seed), set()
+    candidates = sorted(w for w in tokenizer.get_vocab() if w.isascii() and w.isalpha() and w.islower() and len(w) > 2)
+    encoded = tokenizer.encode_batch([" " + w for w in candidates], add_special_tokens=False)
+    words = [w for w, e in zip(candidates, encoded, strict=True) if len(e.ids) == 1]
+    if len(words) < 1000:
+        raise SystemExit(f"--chat: only {len(words)} one-token words in {path}")
+    system = " ".join(rng.choice(words) for _ in range(args.shared_prefix))
+
+    def next_prompt() -> Prompt:
+        while True:
+            n = rng.randint(max(1, args.prompt_len - args.prompt_jitter), args.prompt_len + args.prompt_jitter)
+            question = " ".join(rng.choice(words) for _ in range(n))
+            if question not in seen:
+                seen.add(question)
+                messages = [{"role": "system", "content": system}] if system else []
+                tokens = sum(len(tokenizer.encode(m["content"], add_special_tokens=False).ids) for m in messages)
+                messages.append({"role": "user", "content": question})
+                return {"messages": messages, "tokens": tokens + n}
 
     return next_prompt
 
@@ -201,7 +240,7 @@ class Stream:
         if event.get("usage"):
             self.usage_tokens = event["usage"].get("completion_tokens")
         choice = (event.get("choices") or [{}])[0]
-        if choice.get("text") or choice.get("token_ids"):
+        if choice.get("text") or choice.get("token_ids") or (choice.get("delta") or {}).get("content"):
             self.times.append(time.monotonic())
         return False
 
@@ -370,19 +409,23 @@ class HttpxClient:
         await self.client.aclose()
 
 
-async def one_request(client: RawClient | HttpxClient, prompt: list[int], output_len: int,
+async def one_request(client: RawClient | HttpxClient, prompt: Prompt, output_len: int,
                       timeout: float, extra: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
-    """One streamed completion: start/end (monotonic s), TTFT, inter-chunk gaps, output tokens, ok/error.
-    ``extra``: more request fields (the level's --variants entry)."""
-    fields = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True, "stream": True,
-              "stream_options": {"include_usage": True}}  # fmt: skip
+    """One streamed completion (a chat completion for a chat prompt): start/end (monotonic s), TTFT, inter-chunk
+    gaps, output tokens, ok/error. ``extra``: more request fields (the level's --variants entry)."""
+    fields: dict[str, Any] = {"max_tokens": output_len, "temperature": 0, "ignore_eos": True, "stream": True,
+                              "stream_options": {"include_usage": True}}  # fmt: skip
+    if isinstance(prompt, dict):
+        path, prompt_len, fields["messages"] = "/v1/chat/completions", prompt["tokens"], prompt["messages"]
+    else:
+        path, prompt_len, fields["prompt"] = "/v1/completions", len(prompt), prompt
     body = json.dumps({**fields, **(extra or {})}).encode()
-    rec: dict[str, Any] = {"prompt_len": len(prompt), "ttft": None, "itl": [], "error": None}
+    rec: dict[str, Any] = {"prompt_len": prompt_len, "ttft": None, "itl": [], "error": None}
     stream = Stream()
     start = time.monotonic()
     try:
         async with asyncio.timeout(timeout):
-            rec["error"] = await client.post_stream("/v1/completions", body, stream)
+            rec["error"] = await client.post_stream(path, body, stream)
     except TimeoutError:
         rec["error"] = f"timed out after {timeout:.0f} s"
     except Exception as exc:  # a benchmark records failures instead of stopping
@@ -479,7 +522,7 @@ class ClientPool:
             self.procs.append(proc)
         self.hello = [c.recv() for c in self.conns]
 
-    def run(self, target: str, prompts: list[list[int]], concurrency: int, output_len: int, stop_at: float | None,
+    def run(self, target: str, prompts: list[Prompt], concurrency: int, output_len: int, stop_at: float | None,
             extra: dict[str, Any] | None = None,
             ramp_s: float = 0.0) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # fmt: skip
         """``ramp_s``: stream k of the level sends its first request k / concurrency * ramp_s seconds after the first
@@ -1148,7 +1191,8 @@ def markdown(result: dict[str, Any]) -> str:
     a = result["args"]
     lines = [f"warmgate serve_load: {result['model']} on {result.get('device_name', '?')} ({result['date']}, "
              f"{result['git_commit']})", "",
-             (f"a shared prefix of {a['shared_prefix']} tokens, then " if a.get("shared_prefix") else "")
+             ("chat requests as text: " if a.get("chat") else "")
+             + (f"a shared prefix of {a['shared_prefix']} tokens, then " if a.get("shared_prefix") else "")
              + f"prompt ~{a['prompt_len']} tokens, output {a['output_len']} tokens, ignore_eos, temperature 0; "
              f"closed loop, {a['client_procs']} client processes ({a['client']} client)"
              + (f", the streams' starts spread over {a['ramp_s']} s" if a.get("ramp_s") else "")
@@ -1279,6 +1323,9 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=160)
     p.add_argument("--prompt-jitter", type=int, default=3)
     p.add_argument("--shared-prefix", type=int, default=0, help="tokens every prompt starts with (before its own)")
+    p.add_argument("--chat", action="store_true",
+                   help="chat completions of text (a system message of --shared-prefix tokens every request shares, "
+                        "a user message of --prompt-len of its own; the words from --model's tokenizer)")  # fmt: skip
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--vocab", type=int, default=49152, help="token ids are drawn from [1000, vocab-1000)")
     p.add_argument("--restart-probe", type=int, default=10, help="sequential requests after start and restart")
