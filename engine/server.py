@@ -704,9 +704,18 @@ def create_app(engine: ServingEngine, tokenizer: ChatTokenizer, board: FrontBoar
         )  # fmt: skip
         return report
 
+    def card() -> ModelCard:
+        return ModelCard(id=api.model_name, root=str(engine.config.model), max_model_len=engine.max_model_len)
+
     @app.get("/v1/models")
     async def models() -> ModelList:
-        card = ModelCard(id=api.model_name, root=str(engine.config.model), max_model_len=engine.max_model_len)
-        return ModelList(data=[card])
+        return ModelList(data=[card()])
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> ModelCard:
+        """One model (the openai client's ``models.retrieve``): this engine's, or the 404 a request naming another
+        model gets."""
+        api.check_model(model)
+        return card()
 
     return EngineApp(api, app)

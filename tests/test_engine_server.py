@@ -89,7 +89,12 @@ def test_models_and_health(worker: Worker, model: Path) -> None:
     async def run() -> None:
         async with worker.client() as client:
             models = (await client.get("/v1/models")).json()
+            one = (await client.get(f"/v1/models/{model.name}")).json()
+            other = await client.get("/v1/models/other%2Fmodel")
             health = await client.get("/health")
+        assert one == models["data"][0]
+        assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
+        assert "other/model" in other.json()["error"]["message"]
         assert models["object"] == "list"
         assert [(m["id"], m["object"], m["max_model_len"]) for m in models["data"]] == [
             (model.name, "model", MAX_MODEL_LEN)

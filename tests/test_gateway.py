@@ -77,6 +77,11 @@ def _config_as_started(gateway: Gateway) -> Iterator[None]:
 def test_openai_client_chat_completions_streaming_stops_and_errors(gateway: Gateway) -> None:
     client = gateway.client()
     assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+    assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("no-such/model x")
+    assert missing.value.body["code"] == "model_not_found"  # type: ignore[index]
+    assert "no-such/model x" in missing.value.body["message"]  # type: ignore[index]
     chat = client.chat.completions.create(
         model=MODEL_NAME, messages=[{"role": "user", "content": "What is the capital of France?"}], temperature=0
     )

@@ -13,6 +13,7 @@ import asyncio
 import math
 import secrets
 from typing import Any
+from urllib.parse import quote
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -184,9 +185,17 @@ def create_api(table: TableView, relay: Relay, link: SupervisorLink, relayed: AS
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
+        return await model_answer(request, "/v1/models")
+
+    @app.get("/v1/models/{model:path}")
+    async def model(request: Request, model: str) -> Response:
+        return await model_answer(request, "/v1/models/" + quote(model, safe="/"))
+
+    async def model_answer(request: Request, path: str) -> Response:
+        """The active engine's answer to GET ``path`` (the model list, or one model)."""
         if table.settings.api_keys and not authorized(request, table.settings.api_keys):
             return unauthorized()
-        answer = await ask_active("GET", "/v1/models", b"", READY_TIMEOUT_S)
+        answer = await ask_active("GET", path, b"", READY_TIMEOUT_S)
         if isinstance(answer, str):
             return openai_error(503, answer, "service_unavailable")
         return Response(answer[1], status_code=answer[0], media_type="application/json")
