@@ -56,11 +56,14 @@ def worker(socket_path: str, config: str, step_ms: float, token_us: float, profi
     gpu = {"steps": 0, "busy": 0.0, "idle": 0.0, "free_at": 0.0}  # the stand-in GPU's time, for GAPS_FILE
 
     class Timing:
-        def __init__(self, seconds: float) -> None:
-            self._seconds = seconds
+        def __init__(self, seconds: float, ends: float) -> None:
+            self._seconds, self._ends = seconds, ends
 
         def seconds(self) -> float:
             return self._seconds
+
+        def done(self) -> bool:
+            return time.perf_counter() >= self._ends
 
     drawing = llm_engine.draw
 
@@ -82,6 +85,7 @@ def worker(socket_path: str, config: str, step_ms: float, token_us: float, profi
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         runner = self.runner
+        runner.asynchronous = True  # its steps run on the stand-in GPU, after the call returns
         logits_rows = torch.randn(runner.max_seqs, self.args.shape.vocab, generator=torch.Generator().manual_seed(0))
         argmax = logits_rows.argmax(dim=-1)
 
@@ -107,7 +111,7 @@ def worker(socket_path: str, config: str, step_ms: float, token_us: float, profi
             gpu["free_at"] = max(now, gpu["free_at"]) + step_s
             if gpu["steps"] % 50 == 0:
                 Path(socket_path + GAPS_FILE).write_text(json.dumps(gpu))
-            return StepOutput(logits_rows[:seqs], argmax[:seqs], Timing(step_s))  # type: ignore[arg-type]
+            return StepOutput(logits_rows[:seqs], argmax[:seqs], Timing(step_s, gpu["free_at"]))  # type: ignore[arg-type]
 
         runner.run = run
 
@@ -281,6 +285,8 @@ def main() -> None:
     parser.add_argument("--profile", choices=("engine", "loop"), help="profile this thread")
     parser.add_argument("--fronts", type=int, default=1,
                         help="the engine's front processes (front_processes; 0: its HTTP API in the worker's process)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="an engine setting, the value as JSON (e.g. late_scheduling=false)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -298,7 +304,8 @@ def main() -> None:
     socket_path = str(tmp / "engine.sock")
     longest = args.shared_prefix + 2 * args.chat_words + args.prompt_len + args.max_tokens
     config = json.dumps({"model": str(model), "device": "cpu", "max_num_seqs": max(args.streams, args.burst),
-                         "max_model_len": max(1024, 2 * longest), "front_processes": args.fronts})  # fmt: skip
+                         "max_model_len": max(1024, 2 * longest), "front_processes": args.fronts,
+                         **{k: json.loads(v) for k, _, v in (item.partition("=") for item in args.set)}})  # fmt: skip
     profile = tmp / f"{args.profile}.prof" if args.profile else None
     cmd = [sys.executable, __file__, "--worker", socket_path, config, str(args.step_ms), str(args.token_us),
            str(profile or "-")]  # fmt: skip
@@ -318,7 +325,7 @@ def main() -> None:
     finally:
         proc.terminate()
         proc.wait(60)
-    result.update(cpu_count=os.cpu_count(), date=time.strftime("%Y-%m-%d"))
+    result.update(settings=args.set, cpu_count=os.cpu_count(), date=time.strftime("%Y-%m-%d"))
     print(json.dumps(result))
     print_profile(profile)
     if args.out:

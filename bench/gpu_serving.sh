@@ -153,8 +153,8 @@ PY
     speed)  # Issue 25's serving points with its settings (max_num_seqs 128, 20 GB KV): 1 stream (TPOT p50), 64 and 128
             # streams (tok/s, TTFT, the engine's CPU per token by thread, device idle), then 32 streams of 1,150-token
             # prompts and 256 tokens (TTFT p99, TPOT p99), as a wave after the warm-up and with the 32 streams' starts
-            # spread over 2 s (SPEED_LOADS picks some of "table long long-ramp"). ~5 min with the three starts; `profile`
-            # and `prefix` are the rest.
+            # spread over 2 s (SPEED_LOADS picks some of "table long long-ramp"; SPEED_SET adds one engine setting, e.g.
+            # late_scheduling=false, also in the names). ~5 min with the three starts; `profile` and `prefix` are the rest.
             for load in ${SPEED_LOADS:-table long long-ramp}; do
               LONG="--concurrency 32 --requests-per-client 4 --prompt-len 1150 --output-len 256"
               case $load in
@@ -162,11 +162,12 @@ PY
                 long) LEVELS=$LONG ;;
                 long-ramp) LEVELS="$LONG --ramp-s 2" ;;
               esac
+              NAME=speed-$load${SPEED_SET:+-${SPEED_SET//=/}}
               timeout -k 30 ${SPEED_TIMEOUT:-200} python3 bench/serve_load.py --model $MODEL --device cuda \
-                --max-num-seqs 128 --kv-cache-bytes 20000000000 --out $RUN/speed-$load --deadline-s 170 $LEVELS \
-                --direct-concurrency 0 --restart-probe 0 2>&1 | tail -8
-              cp $RUN/speed-$load/serve_load.md $OUT/speed-$load.md 2>/dev/null
-              cp $RUN/speed-$load/serve_load.json $OUT/speed-$load.json 2>/dev/null
+                --max-num-seqs 128 --kv-cache-bytes 20000000000 --out $RUN/$NAME --deadline-s 170 $LEVELS \
+                --direct-concurrency 0 --restart-probe 0 ${SPEED_SET:+--engine-set $SPEED_SET} 2>&1 | tail -8
+              cp $RUN/$NAME/serve_load.md $OUT/$NAME.md 2>/dev/null
+              cp $RUN/$NAME/serve_load.json $OUT/$NAME.json 2>/dev/null
             done ;;
     restarts) # Issue 24's run: the gateway's defaults (two standbys, KV cache planned from the device), 10 standby
             # restarts, 3 through the fork server, 5 kills 1.5 s apart, 10 admin restarts 1 s apart. RESTARTS_ARGS overrides.

@@ -77,6 +77,14 @@ class EngineSettings(BaseModel):
     enable_prefix_caching: Annotated[
         bool, Field(description="reuse the KV cache blocks of prompt prefixes already computed (vLLM's name)")
     ] = True
+    late_scheduling: Annotated[
+        bool,
+        Field(
+            description="native, CUDA: a step with room is scheduled shortly before the device is expected to end "
+            "the one before it, so that requests arriving meanwhile join it rather than the step after (engine/native/"
+            "llm_engine.py, LaunchClock); false: as soon as the step before it is launched",
+        ),
+    ] = True
     front_processes: Annotated[
         int,
         Field(

@@ -263,6 +263,56 @@ def test_steps_overlap_and_a_steps_events_reach_the_loop_once_the_step_after_nex
     assert 0 < spanned < device and spanned < span
 
 
+@pytest.mark.parametrize("late", [True, False])
+def test_a_request_that_arrives_while_a_long_step_runs_joins_the_next_step_with_late_scheduling(
+    demo_path, prompt_ids, late: bool
+) -> None:
+    """On a GPU the engine thread schedules step N+1 while the device runs step N. With ``late_scheduling``, when
+    step N is expected to run long (the clock's least time for a step of its size), the thread waits to schedule
+    N+1 until shortly before N ends, taking in what arrives meanwhile: a request that arrives once step N is running
+    has its prompt computed in N+1, not N+2. Here the runner is taken for an asynchronous one and the clock told
+    that a one-token step takes a minute; the second request arrives as the thread reads the first one's prompt
+    step, while its first decode step "runs". (The CPU's steps are done when the call returns: the wait ends at the
+    arrival.) Its tokens are those it gets alone."""
+    import threading
+
+    engine = _engine(demo_path("bf16"), late_scheduling=late)
+    engine.runner.asynchronous = True
+    engine.clock.steps.clear()  # the warm-up's steps
+    engine.clock.ran(1, 60.0)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    run, computing, tokens, finished = engine.runner.run, [], {}, threading.Event()
+
+    def recording_run(step, every_token=frozenset(), drawn=None):
+        computing.append([work.seq.request_id for work in step if work.start < len(work.seq.prompt)])
+        return run(step, every_token, drawn)
+
+    def sink(events) -> None:
+        for stream, event in events:
+            tokens.setdefault(stream.request_id, []).extend([event.token_id] if event.token_id is not None else [])
+            if stream.request_id == "second" and event.finish_reason is not None:
+                finished.set()
+
+    complete = engine._complete
+
+    def completing(landed) -> None:
+        complete(landed)
+        if "second" not in tokens:  # the first prompt step's tokens are read: the first decode step is on the device
+            tokens["second"] = []
+            engine.submit(prompt_ids[1], params, "second", sink=sink)
+
+    engine.runner.run, engine._complete = recording_run, completing
+    engine.submit(prompt_ids[0], params, "first", sink=sink)
+    engine.start()
+    try:
+        assert finished.wait(120)
+    finally:
+        engine.stop()
+    assert computing[:4] == ([["first"], [], ["second"], []] if late else [["first"], [], [], ["second"]])
+    assert (engine.stats.holds > 0) == late
+    assert tokens["second"] == _engine(demo_path("bf16")).generate([prompt_ids[1]], params)[0]
+
+
 def test_the_engine_thread_carries_its_os_name(demo_path) -> None:
     """/proc tells the step loop's CPU time apart from the HTTP loop's by its OS name (bench/serve_load.py's
     per-thread figures, issue 25's step-loop budget per token)."""

@@ -1,10 +1,13 @@
 """The scheduler on its own: token budget, prompt chunks, block accounting, preemption and recompute, and prefix
 caching (shared blocks, waiting for a prefix being computed, eviction, preemption of a sequence whose blocks are
-shared)."""
+shared); the launch clock of late scheduling."""
 
 from __future__ import annotations
 
+import pytest
+
 from engine.native.kv_cache import BlockAllocator, KVCacheSpec
+from engine.native.llm_engine import LaunchClock
 from engine.native.scheduler import Scheduler, Sequence
 from engine.sampling_params import SamplingParams
 
@@ -213,3 +216,22 @@ def test_a_block_whose_last_token_is_still_on_the_device_is_cached_once_the_toke
     seq.output.append(43)
     seq.pending = 1  # position 9's token is being drawn: the last one (limit 10)
     assert seq.length == seq.limit and scheduler.schedule() == []
+
+
+def test_the_launch_clock_expects_the_least_time_of_a_recent_step_as_large_or_a_quarter_smaller() -> None:
+    """Late scheduling's deadline (engine/native/llm_engine.py): from the step's start, the device's least time on a
+    recent step of as many tokens or up to a quarter fewer (a lower bound), less the host's longest recent launch
+    and a margin; none while no such step or launch is known."""
+    clock = LaunchClock()
+    assert clock.deadline(100, 10.0) is None
+    for tokens, seconds in ((100, 0.020), (80, 0.015), (76, 0.014), (120, 0.001), (70, 0.002), (100, 0.018)):
+        clock.ran(tokens, seconds)
+    assert clock.deadline(100, 10.0) is None  # no launch timed yet
+    clock.launched(0.002)
+    clock.launched(0.001)
+    # 100, 80 and 76 tokens count; 120 (more) and 70 (over a quarter fewer) do not
+    assert clock.deadline(100, 10.0) == pytest.approx(10.0 + 0.014 - 0.002 - LaunchClock.MARGIN_S)
+    assert clock.deadline(60, 10.0) is None
+    for _ in range(LaunchClock.STEPS):  # older steps are forgotten
+        clock.ran(100, 0.030)
+    assert clock.deadline(100, 10.0) == pytest.approx(10.0 + 0.030 - 0.002 - LaunchClock.MARGIN_S)

@@ -12,6 +12,10 @@ the host yet), so the device goes from one step to the next without waiting for 
 step-N token ends it (an end-of-sequence token, a stop token) has a row in step N+1 that is thrown away; a
 sequence whose last token by its length is being drawn gets none. vLLM's v1 engine (async scheduling) and
 SGLang (overlap scheduler) do the same.
+
+Scheduled a step ahead, a request that arrives while the device runs step N would wait for N+2: N+1 was made as N
+began. With ``late_scheduling`` (the default), when step N+1 has room, the engine thread hands step N-1's events over
+and schedules N+1 shortly before N is expected to end instead (``LaunchClock``), taking in what arrived meanwhile.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import os
 import threading
 import time
 import uuid
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -63,6 +68,7 @@ class LLMEngine(EngineThread[Sequence]):
         self.config = config
         self.startup_phases: dict[str, float] = {}
         self.stats = StepStats(self)
+        self.clock = LaunchClock()
         self._masks: TokenMasks | None = None  # the grammars' token masks, one row per sequence sampled in a step
         self._masker: ThreadPoolExecutor | None = None  # fills them while the next step is scheduled
         self._launched: _Launched | None = None  # the step on the device, its tokens not drawn yet
@@ -72,6 +78,7 @@ class LLMEngine(EngineThread[Sequence]):
         self._grown: list[tuple[int, int]] = []  # blocks committed since in the background, not handed out yet
         self._committing = False  # the background commit of a reserved cache's stripes is under way
         self._starved = False  # the last step found nothing to do but wait for the blocks of a stripe on its way
+        self._read_at = 0.0  # when the last step read was found done
         with self._phase("device_init"):
             self.device = resolve_device(config.device)
             if self.device.type == "cuda":
@@ -327,6 +334,10 @@ class LLMEngine(EngineThread[Sequence]):
         if drawn is not None:
             self._complete(drawn)
         launched, self._launched = self._launched, None
+        if launched is not None and self.runner.asynchronous and self.config.late_scheduling:
+            # The device began step N when step N-1 ended (read just now), or at its launch if it was idle by then.
+            self._hold(launched, max(launched.began, self._read_at if drawn is not None else 0.0))
+        scheduling = time.perf_counter()
         masks = self._fill_masks(launched) if launched is not None else None  # beside the scheduling
         step = self.scheduler.schedule()
         if step:
@@ -336,10 +347,39 @@ class LLMEngine(EngineThread[Sequence]):
             self._drawn = launched
         if step:
             self._launched = self._launch(step, launched)
+            self.clock.launched(time.perf_counter() - scheduling)
         # Nothing on the device and nothing to launch: the sequences wait for the blocks of a stripe on its way (the
         # loop sleeps until it lands, a request comes, or the next heartbeat), not in a busy loop of empty steps.
         self._starved = not step and launched is None and drawn is None
         self._outbox.flush()  # step N-1's events: the loop turns them into chunks while the device computes
+
+    def _hold(self, running: _Launched, began: float) -> None:
+        """Wait to schedule the next step until shortly before the device is expected to end ``running`` (began at
+        ``began``), taking in the requests that arrive meanwhile, while the next step has room for them. Step N-1's
+        events are handed over first; the wait ends early once the step is done or the next one is full."""
+        deadline = self.clock.deadline(running.tokens, began)
+        if deadline is None or deadline - time.perf_counter() < HOLD_MIN_S:
+            return
+        scheduler = self.scheduler
+        seqs, tokens = scheduler.wanted()
+        budget, limit = scheduler.max_batched_tokens, scheduler.max_num_seqs
+        if seqs >= limit or tokens >= budget:
+            return  # the next step is full already: nothing that arrives now would join it
+        self._outbox.flush()
+        timing, start = running.out.timing, time.perf_counter()
+        while (left := deadline - time.perf_counter()) > 0 and seqs < limit and tokens < budget:
+            with self._wake:
+                if not self._inbox and not self._stopping:
+                    self._wake.wait(left)  # a request's arrival wakes it
+                pending, self._inbox = self._inbox, []
+                stopping = self._stopping
+            for seq in pending:
+                scheduler.add(seq)
+                seqs += 1
+                tokens += scheduler.uncached(seq)
+            if stopping or timing.done():
+                break
+        self.stats.hold(time.perf_counter() - start)
 
     def _launch(self, step: list[Scheduled], before: _Launched | None) -> _Launched:
         """Put the step on the device, its sequences' pending tokens taken from the step ``before``'s."""
@@ -402,7 +442,10 @@ class LLMEngine(EngineThread[Sequence]):
         step, out = landed.step, landed.out
         sampled = landed.drawn.read() if landed.drawn is not None else None
         after = self._launched
-        self.stats.device_time(landed.began, out.timing.seconds(), after.began if after is not None else None)
+        seconds = out.timing.seconds()
+        self._read_at = time.perf_counter()  # the device is done with the step (and on to the next)
+        self.stats.device_time(landed.began, seconds, after.began if after is not None else None)
+        self.clock.ran(landed.tokens, seconds)
         for i, logits in out.all_logits.items():
             _collect_prompt_logprobs(step[i], logits)
         for work in step:
@@ -458,6 +501,7 @@ class StepStats:
         # launch time -> [tokens, prompt tokens, sequences, the shared prefix staged for attention]
         self._traced: dict[float, list[int]] = {}
         self._traces_left = 0
+        self._held_in_step = 0.0
         self._reset(time.perf_counter())
 
     def trace(self, activated_at: float) -> None:
@@ -466,8 +510,8 @@ class StepStats:
 
     def _reset(self, now: float) -> None:
         self.since = now
-        self.steps = self.prompt_tokens = self.generated = 0
-        self.busy = self.longest = self.device = 0.0
+        self.steps = self.prompt_tokens = self.generated = self.holds = 0
+        self.busy = self.longest = self.device = self.held = 0.0
         # Steps launched while the one before was still unread: from one's launch to the next one's, and the
         # device's time in them. What the device did not spend of it, it waited for the host (scheduling,
         # staging, sampling, the GIL): the device's idle share (none when the host keeps ahead: a step launched
@@ -510,9 +554,16 @@ class StepStats:
                       read_ms=1e3 * (time.perf_counter() - since), device_ms=1e3 * seconds, tokens=size[0],
                       prompt_tokens=size[1], seqs=size[2], shared=size[3], launched_at=f"{began:.4f}")  # fmt: skip
 
+    def hold(self, seconds: float) -> None:
+        """The engine thread waited ``seconds`` for arrivals before scheduling a step (``LLMEngine._hold``)."""
+        self.holds += 1
+        self.held += seconds
+        self._held_in_step += seconds
+
     def step_done(self, took: float) -> None:
-        """One turn of the engine thread (``_step``) took ``took`` seconds."""
+        """One turn of the engine thread (``_step``) took ``took`` seconds, its hold for arrivals included."""
         now = time.perf_counter()
+        took, self._held_in_step = took - self._held_in_step, 0.0
         self.busy += took
         self.longest = max(self.longest, took)
         if now - self.since >= STATS_INTERVAL and self.steps:
@@ -528,7 +579,9 @@ class StepStats:
                       steps=self.steps, step_ms_mean=1e3 * self.busy / self.steps, step_ms_max=1e3 * self.longest,
                       device_ms_mean=1e3 * self.device / self.steps,
                       device_idle=round(max(0.0, 1 - self.spanned_device / self.span), 3) if self.span else None,
-                      busy=self.busy / window, preemptions=scheduler.preemptions)  # fmt: skip
+                      busy=self.busy / window, holds=self.holds,
+                      held_ms_mean=1e3 * self.held / self.holds if self.holds else 0.0,
+                      preemptions=scheduler.preemptions)  # fmt: skip
             self._reset(now)
 
 
@@ -577,6 +630,42 @@ class _Launched:
     out: StepOutput
     began: float
     drawn: Drawn | None = None
+
+    @property
+    def tokens(self) -> int:
+        return sum(work.count for work in self.step)
+
+
+HOLD_MIN_S = 0.001  # a shorter wait for arrivals is not worth it
+
+
+class LaunchClock:
+    """When to schedule the step after the one on the device (``LLMEngine._hold``): the device's least time on a
+    recent step of as many tokens or a quarter fewer at most (a lower bound of this one's: fewer tokens replay the
+    same graph or a smaller one, and its attention over longer contexts only adds), less the host's longest recent
+    time from scheduling a step to its launch, and a safety margin. No such step yet: at once, as before."""
+
+    STEPS = 64  # recent steps' device times kept
+    FEWER = 0.25  # the steps it learns from: as many tokens as this one, or this share fewer
+    MARGIN_S = 0.0005
+
+    def __init__(self) -> None:
+        self.steps: deque[tuple[int, float]] = deque(maxlen=self.STEPS)  # (tokens, device seconds)
+        self.host: deque[float] = deque(maxlen=16)  # seconds from scheduling a step to its launch's return
+
+    def ran(self, tokens: int, seconds: float) -> None:
+        self.steps.append((tokens, seconds))
+
+    def launched(self, seconds: float) -> None:
+        self.host.append(seconds)
+
+    def deadline(self, tokens: int, began: float) -> float | None:
+        """When to schedule the step after a step of ``tokens`` tokens that the device began at ``began``."""
+        low = tokens * (1 - self.FEWER)
+        least = min((s for t, s in self.steps if low <= t <= tokens), default=None)
+        if least is None or not self.host:
+            return None
+        return began + least - max(self.host) - self.MARGIN_S
 
 
 def _collect(out: list[int], event: TokenEvent) -> None:

@@ -108,6 +108,7 @@ class ModelRunner:
         self.tables = self.host_tables if not pin else torch.zeros_like(self.host_tables, device=self.device)
         self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
+        self.asynchronous = self.device.type == "cuda"  # run() returns before the device has done the step
         self.decode_sizes = decode_buckets(s)
         self.mixed_sizes = mixed_buckets(self.max_tokens)
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
@@ -397,6 +398,10 @@ class StepTiming:
             self._events[1].record()
         else:
             self._ended = time.perf_counter()
+
+    def done(self) -> bool:
+        """Whether the device has done the step (without waiting)."""
+        return not self.cuda or self._events[1].query()
 
     def seconds(self) -> float:
         """The step's time, once it is done (waited for here: a step that draws no token, a prompt's partial chunk,

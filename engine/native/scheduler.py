@@ -238,3 +238,14 @@ class Scheduler:
     @property
     def idle(self) -> bool:
         return not self.waiting and not self.running
+
+    def wanted(self) -> tuple[int, int]:
+        """What the next step would take with no limits: its sequences, and its tokens (each running sequence's rest,
+        a decode token or its prompt's, and each waiting one's prompt past its cached prefix)."""
+        tokens = sum(max(1, seq.length - seq.computed) for seq in self.running)
+        return len(self.running) + len(self.waiting), tokens + sum(self.uncached(seq) for seq in self.waiting)
+
+    def uncached(self, seq: Sequence) -> int:
+        """Tokens a waiting sequence would compute if admitted now (its prefix hashes are computed here, once)."""
+        cached = self._cached_prefix(seq)
+        return seq.length - len(cached or ()) * self.allocator.block_size
