@@ -218,6 +218,24 @@ def test_a_block_whose_last_token_is_still_on_the_device_is_cached_once_the_toke
     assert seq.length == seq.limit and scheduler.schedule() == []
 
 
+def test_what_the_next_step_wants_leaves_cached_prefixes_out_and_stops_counting_at_the_limits() -> None:
+    """Late scheduling waits for arrivals only while the next step has room: ``wanted`` counts each running
+    sequence's rest and each waiting one's prompt past its cached prefix, until max_num_seqs or the budget."""
+    scheduler = _caching(32, max_seqs=4, budget=30)
+    first = _seq("first", 10)
+    scheduler.add(first)
+    _advance(scheduler.schedule(), scheduler)  # blocks 0-1 (8 tokens) cached; first decodes now
+    assert scheduler.wanted() == (1, 1)
+    scheduler.add(_seq("shares", 13))  # its first 8 tokens are first's: 5 to compute
+    scheduler.add(_seq("fresh", 6, first=100))
+    assert scheduler.wanted() == (3, 1 + 5 + 6)
+    for i in range(3):  # past the budget: the rest of the queue is not counted
+        scheduler.add(_seq(f"long{i}", 20, first=200 + 20 * i))
+    assert scheduler.wanted() == (6, 0)  # past max_num_seqs: nothing counted
+    scheduler.max_num_seqs = 8
+    assert scheduler.wanted() == (6, 1 + 5 + 6 + 20)
+
+
 def test_the_launch_clock_expects_the_least_time_of_a_recent_step_as_large_or_a_quarter_smaller() -> None:
     """Late scheduling's deadline (engine/native/llm_engine.py): from the step's start, the device's least time on a
     recent step of as many tokens or up to a quarter fewer (a lower bound), less the host's longest recent launch

@@ -241,9 +241,17 @@ class Scheduler:
 
     def wanted(self) -> tuple[int, int]:
         """What the next step would take with no limits: its sequences, and its tokens (each running sequence's rest,
-        a decode token or its prompt's, and each waiting one's prompt past its cached prefix)."""
+        a decode token or its prompt's, and each waiting one's prompt past its cached prefix), counted only until
+        they reach max_num_seqs or max_batched_tokens (a long queue is not walked)."""
+        seqs = len(self.running) + len(self.waiting)
+        if seqs >= self.max_num_seqs:
+            return seqs, 0
         tokens = sum(max(1, seq.length - seq.computed) for seq in self.running)
-        return len(self.running) + len(self.waiting), tokens + sum(self.uncached(seq) for seq in self.waiting)
+        for seq in self.waiting:
+            if tokens >= self.max_batched_tokens:
+                break
+            tokens += self.uncached(seq)
+        return seqs, tokens
 
     def uncached(self, seq: Sequence) -> int:
         """Tokens a waiting sequence would compute if admitted now (its prefix hashes are computed here, once)."""
