@@ -194,6 +194,8 @@ def chat_source(args: argparse.Namespace) -> Callable[[], Prompt]:
     if len(words) < 1000:
         raise SystemExit(f"--chat: only {len(words)} one-token words in {path}")
     system = " ".join(rng.choice(words) for _ in range(args.shared_prefix))
+    shared = [{"role": "system", "content": system}] if system else []
+    shared_tokens = len(tokenizer.encode(system, add_special_tokens=False).ids) if system else 0
 
     def next_prompt() -> Prompt:
         while True:
@@ -201,10 +203,8 @@ def chat_source(args: argparse.Namespace) -> Callable[[], Prompt]:
             question = " ".join(rng.choice(words) for _ in range(n))
             if question not in seen:
                 seen.add(question)
-                messages = [{"role": "system", "content": system}] if system else []
-                tokens = sum(len(tokenizer.encode(m["content"], add_special_tokens=False).ids) for m in messages)
-                messages.append({"role": "user", "content": question})
-                return {"messages": messages, "tokens": tokens + n}
+                tokens = shared_tokens + len(tokenizer.encode(question, add_special_tokens=False).ids)
+                return {"messages": [*shared, {"role": "user", "content": question}], "tokens": tokens}
 
     return next_prompt
 
