@@ -78,7 +78,7 @@ class LLMEngine(EngineThread[Sequence]):
         self._grown: list[tuple[int, int]] = []  # blocks committed since in the background, not handed out yet
         self._committing = False  # the background commit of a reserved cache's stripes is under way
         self._starved = False  # the last step found nothing to do but wait for the blocks of a stripe on its way
-        self._read_at = 0.0  # when the last step read was found done
+        self._read_at = 0.0  # when the device ended the last step read, if the read waited for it (else 0)
         with self._phase("device_init"):
             self.device = resolve_device(config.device)
             if self.device.type == "cuda":
@@ -335,7 +335,7 @@ class LLMEngine(EngineThread[Sequence]):
             self._complete(drawn)
         launched, self._launched = self._launched, None
         if launched is not None and self.runner.asynchronous and self.config.late_scheduling:
-            # The device began step N when step N-1 ended (read just now), or at its launch if it was idle by then.
+            # The device began step N when step N-1 ended (the read just now waited for it), or at its launch.
             self._hold(launched, max(launched.began, self._read_at if drawn is not None else 0.0))
         scheduling = time.perf_counter()
         masks = self._fill_masks(launched) if launched is not None else None  # beside the scheduling
@@ -440,10 +440,14 @@ class LLMEngine(EngineThread[Sequence]):
     def _complete(self, landed: _Launched) -> None:
         """The step's tokens read: appended, checked against each request's ends, handed over as events."""
         step, out = landed.step, landed.out
+        reading = time.perf_counter()
         sampled = landed.drawn.read() if landed.drawn is not None else None
         after = self._launched
         seconds = out.timing.seconds()
-        self._read_at = time.perf_counter()  # the device is done with the step (and on to the next)
+        # The device ended the step (and went on to the next) now if the read waited for it; if it did not, at some
+        # time before: 0, so that the next step counts from its launch, its earliest start (LaunchClock, _hold).
+        read = time.perf_counter()
+        self._read_at = read if read - reading > READ_WAITED_S else 0.0
         self.stats.device_time(landed.began, seconds, after.began if after is not None else None)
         self.clock.ran(landed.tokens, seconds)
         for i, logits in out.all_logits.items():
@@ -637,6 +641,7 @@ class _Launched:
 
 
 HOLD_MIN_S = 0.001  # a shorter wait for arrivals is not worth it
+READ_WAITED_S = 0.0002  # a read of a step's tokens this long or longer waited for the device to end the step
 
 
 class LaunchClock:
