@@ -6,18 +6,21 @@ tokens are read (``Drawn.read``) once its time there ended, the engine thread wa
 CUDA event. The logits are made once, with their argmax. Streaming clients read it on its socket, as the relays
 do.
 
-    python bench/engine_host.py [--streams 64] [--step-ms 6] [--seconds 20] [--logprobs N]
-                                [--profile engine|loop] [--fronts N] [--out FILE]
+    python bench/engine_host.py [--streams 64] [--step-ms 6] [--seconds 20] [--logprobs N] [--token-us U]
+                                [--shared-prefix N --prompt-len L] [--profile engine|loop] [--fronts N]
+                                [--set KEY=VALUE] [--out FILE]
     python bench/engine_host.py --burst 64 [--rounds 10] [--prompt-len 160] [--shared-prefix N | --chat-words N] ...
 
-Reported: output tokens/s and each request's time to its first chunk (``ttft_ms``); CPU microseconds per generated
-token of the engine thread, the HTTP loops (the front processes' main threads, engine/front.py; the worker's own
-with ``--fronts 0``), the worker's main thread reading the fronts' links and the rest (from /proc, per thread);
-the stand-in GPU's idle share between back-to-back steps (``gpu_idle``: the time it had no step to run, from one
-step's end to the next one's launch, over the steps' wall time; ``step_wall_ms``), and the engine's own figure for
-it from its ``engine_stats`` lines (``engine_device_idle``); and the cores the clients used (on a machine of two
-cores they compete with the engine: read tokens/s there with that in mind). ``--profile``: that thread's functions
-under cProfile (its overhead inflates every figure: read them as shares).
+Reported: output tokens/s and each request's time to its first chunk (``ttft_ms``: the admission, the internal
+stream's first comment), and to its first token's text from its front's receipt (``front_ttft_ms``, the engine's
+request lines); CPU microseconds per generated token of the engine thread, the HTTP loops (the front processes' main
+threads, engine/front.py; the worker's own with ``--fronts 0``), the worker's main thread reading the fronts' links
+and the rest (from /proc, per thread); the stand-in GPU's idle share between back-to-back steps (``gpu_idle``: the
+time it had no step to run, from one step's end to the next one's launch, over the steps' wall time;
+``step_wall_ms``), and the engine's own figure for it from its ``engine_stats`` lines (``engine_device_idle``); and
+the cores the clients used (on a machine of two cores they compete with the engine: read tokens/s there with that in
+mind). ``--profile``: that thread's functions under cProfile (its overhead inflates every figure: read them as
+shares).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 from bench.serve_load import thread_cpu
 
 DEVICE_IDLE = re.compile(r"device_idle=([\d.]+)")  # the engine's own figure, in its engine_stats lines
+FRONT_TTFT = re.compile(r"event=request .* ttft_ms=([\d.]+)")  # a request's receipt to its first text, by its front
 GAPS_FILE = ".gpu.json"  # beside the engine's socket: the stand-in GPU's steps, busy and idle seconds
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 16}  # fmt: skip
@@ -162,10 +166,10 @@ def worker(socket_path: str, config: str, step_ms: float, token_us: float, profi
 
 
 async def load(socket_path: str, streams: int, seconds: float, max_tokens: int, extra: dict[str, Any],
-               ttfts: list[float] | None = None) -> tuple[int, float]:  # fmt: skip
+               ttfts: list[float] | None = None, prompts: Any = None) -> tuple[int, float]:  # fmt: skip
     """Streaming completions from ``streams`` clients for ``seconds``: the tokens they got and the seconds it took
-    (and into ``ttfts``, each
-    request's seconds to its first chunk). The clients are made before the clock starts: making 64 of them takes
+    (and into ``ttfts``, each request's seconds to its first chunk). ``prompts``: each request's prompt from it
+    (token ids), else one short text for all. The clients are made before the clock starts: making 64 of them takes
     this machine about two seconds, in which the first requests' answers would wait unread."""
     import httpx
 
@@ -184,7 +188,8 @@ async def load(socket_path: str, streams: int, seconds: float, max_tokens: int, 
         async with http:
             while time.monotonic() < deadline:
                 sent, first = time.perf_counter(), None
-                async with http.stream("POST", "/v1/completions", json=body,
+                sending = body if prompts is None else {**body, "prompt": prompts()}
+                async with http.stream("POST", "/v1/completions", json=sending,
                                        headers={RESUMABLE_HEADER: "1"}) as response:  # fmt: skip
                     assert response.status_code == 200, await response.aread()
                     async for _ in response.aiter_raw():
@@ -278,7 +283,8 @@ def main() -> None:
     parser.add_argument("--resumed", type=int, default=0, help="--burst: each request resumed after this many tokens")
     parser.add_argument("--prompt-len", type=int, default=160)
     parser.add_argument("--shared-prefix", type=int, default=0,
-                        help="--burst: token ids every prompt starts with (before its own --prompt-len)")
+                        help="token ids every prompt starts with (before its own --prompt-len); without --burst, the "
+                             "streams' prompts are these instead of one short text")  # fmt: skip
     parser.add_argument("--chat-words", type=int, default=0,
                         help="--burst: chat requests as text instead, a system message of this many words shared, "
                              "a question of --prompt-len words")  # fmt: skip
@@ -317,11 +323,11 @@ def main() -> None:
             if proc.poll() is not None:
                 raise SystemExit((tmp / "worker.log").read_text()[-3000:])
             time.sleep(0.1)
+        vocab = json.loads((model / "config.json").read_text())["vocab_size"]
         if args.burst:
-            vocab = json.loads((model / "config.json").read_text())["vocab_size"]
             result = measure_bursts(args, socket_path, proc.pid, vocab)
         else:
-            result = measure_streams(args, socket_path, proc.pid, tmp / "worker.log")
+            result = measure_streams(args, socket_path, proc.pid, tmp / "worker.log", vocab)
     finally:
         proc.terminate()
         proc.wait(60)
@@ -358,24 +364,38 @@ def measure_bursts(args: argparse.Namespace, socket_path: str, pid: int, vocab: 
                                    for k in after}}  # fmt: skip
 
 
-def measure_streams(args: argparse.Namespace, socket_path: str, pid: int, worker_log: Path) -> dict[str, Any]:
+def measure_streams(args: argparse.Namespace, socket_path: str, pid: int, worker_log: Path,
+                    vocab: int) -> dict[str, Any]:  # fmt: skip
     extra = {"logprobs": args.logprobs} if args.logprobs is not None else {}
-    asyncio.run(load(socket_path, args.streams, 2.0, args.max_tokens, extra))  # warm: every stream once
+    prompts = None
+    if args.shared_prefix:  # each request: the shared token ids, then --prompt-len of its own
+        import random
+
+        rng = random.Random(0)
+        shared = [rng.randrange(1000, vocab - 1000) for _ in range(args.shared_prefix)]
+
+        def prompts() -> list[int]:
+            return shared + [rng.randrange(1000, vocab - 1000) for _ in range(args.prompt_len)]
+
+    asyncio.run(load(socket_path, args.streams, 2.0, args.max_tokens, extra, None, prompts))  # warm: every stream
     before, client = thread_cpu(pid) or {}, time.process_time()
     gpu_before = json.loads(Path(socket_path + GAPS_FILE).read_text())
     log_offset = worker_log.stat().st_size
     ttfts: list[float] = []
-    tokens, wall = asyncio.run(load(socket_path, args.streams, args.seconds, args.max_tokens, extra, ttfts))
+    tokens, wall = asyncio.run(load(socket_path, args.streams, args.seconds, args.max_tokens, extra, ttfts, prompts))
     after, client = thread_cpu(pid) or {}, time.process_time() - client
     gpu_after = json.loads(Path(socket_path + GAPS_FILE).read_text())
-    stats_lines = [line for line in worker_log.read_text()[log_offset:].splitlines()
-                   if "event=engine_stats" in line]  # fmt: skip
+    lines = worker_log.read_text()[log_offset:].splitlines()
+    stats_lines = [line for line in lines if "event=engine_stats" in line]
+    front_ttfts = [float(m) / 1e3 for line in lines for m in FRONT_TTFT.findall(line)]
     steps, busy, idle = (gpu_after[k] - gpu_before[k] for k in ("steps", "busy", "idle"))
     per_token = {k: round((after.get(k, 0) - before.get(k, 0)) / tokens * 1e6, 2) for k in after}
     return {"streams": args.streams, "logprobs": args.logprobs, "step_ms": args.step_ms, "seconds": round(wall, 1),
             "tokens": tokens,
             "tok_s": round(tokens / wall), "ideal_tok_s": round(args.streams / args.step_ms * 1e3),
             "ttft_ms": quantiles(ttfts, {"p50": 0.5, "p90": 0.9, "p99": 0.99}),
+            "front_ttft_ms": quantiles(front_ttfts, {"p50": 0.5, "p90": 0.9, "p99": 0.99}) if front_ttfts else None,
+            "shared_prefix": args.shared_prefix, "prompt_len": args.prompt_len if args.shared_prefix else None,
             "cpu_us_per_token": per_token, "gpu_idle": round(idle / (idle + busy), 3),
             "step_wall_ms": round((idle + busy) / steps * 1e3, 2),
             "engine_device_idle": [float(m) for line in stats_lines for m in DEVICE_IDLE.findall(line)],
