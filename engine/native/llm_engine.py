@@ -325,8 +325,9 @@ class LLMEngine(EngineThread[Sequence]):
 
     @torch.inference_mode()
     def _step(self) -> None:
-        """Read step N-1's tokens, fill step N's grammar masks, schedule step N+1, queue step N's sampling, launch
-        step N+1, hand step N-1's events over; the device computes step N meanwhile."""
+        """Read step N-1's tokens, (late scheduling) hand their events over and wait for arrivals until shortly
+        before step N ends, fill step N's grammar masks, schedule step N+1, queue step N's sampling, launch step N+1,
+        hand step N-1's events over; the device computes step N meanwhile."""
         for seq in [*self.scheduler.waiting, *self.scheduler.running]:
             if seq.is_cancelled():
                 self._finish(seq, TokenEvent(None, "abort"))
