@@ -773,7 +773,8 @@ class LogWatch:
 
     def engine_steps(self) -> dict[str, float | None] | None:
         """The engines' `engine_stats` lines since the mark, weighted by their steps: step and device times, and the
-        device's idle share between steps that followed one another."""
+        device's idle share between steps that followed one another; the waits for arrivals of late scheduling
+        (their count, and their mean weighted by it)."""
         rows = [dict(FIELD.findall(line)) for text in self._since_mark().values()
                 for line in text.splitlines() if b"event=engine_stats" in line]  # fmt: skip
         rows = [{k.decode(): float(v) for k, v in row.items() if v.replace(b".", b"").isdigit()} for row in rows]
@@ -787,8 +788,11 @@ class LogWatch:
             weight = sum(row["steps"] for row in have)
             return round(sum(row[key] * row["steps"] for row in have) / weight, 3) if weight else None
 
+        holds = sum(row.get("holds", 0.0) for row in rows)
+        held = sum(row.get("holds", 0.0) * row.get("held_ms_mean", 0.0) for row in rows)
         return {"lines": len(rows), "steps": steps, "step_ms_mean": mean("step_ms_mean"),
-                "device_ms_mean": mean("device_ms_mean"), "device_idle": mean("device_idle")}  # fmt: skip
+                "device_ms_mean": mean("device_ms_mean"), "device_idle": mean("device_idle"), "holds": holds,
+                "held_ms_mean": round(held / holds, 3) if holds else None}  # fmt: skip
 
 
 def restart_key(r: dict[str, Any]) -> str:
@@ -1129,7 +1133,8 @@ class Bench:
             f"{fmt(gw.get('us_per_token'))} µs/tok, engine {fmt(g.get('engine', {}).get('us_per_token'))} µs/tok "
             f"(step loop {fmt((cpu.get('engine_threads_us_per_token') or {}).get('engine'))}), "
             f"client max {fmt(client.get('max_proc_cpu_fraction'), '.2f')} core, "
-            f"device idle {fmt((record['engine_steps'] or {}).get('device_idle'), '.3f')}"
+            f"device idle {fmt((record['engine_steps'] or {}).get('device_idle'), '.3f')}, "
+            f"holds {fmt((record['engine_steps'] or {}).get('holds'), '.0f')}"
             + (" (truncated at the deadline)" if record["truncated"] else ""))  # fmt: skip
         if stats["error_kinds"]:
             say(f"  errors: {json.dumps(stats['error_kinds'])[:600]}")
