@@ -281,7 +281,7 @@ def test_a_request_that_arrives_while_a_long_step_runs_joins_the_next_step_with_
     engine.clock.steps.clear()  # the warm-up's steps
     engine.clock.ran(1, 60.0)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    run, computing, tokens, finished = engine.runner.run, [], {}, threading.Event()
+    run, computing, tokens, finished, sent = engine.runner.run, [], {}, threading.Event(), threading.Event()
 
     def recording_run(step, every_token=frozenset(), drawn=None):
         computing.append([work.seq.request_id for work in step if work.start < len(work.seq.prompt)])
@@ -297,8 +297,8 @@ def test_a_request_that_arrives_while_a_long_step_runs_joins_the_next_step_with_
 
     def completing(landed) -> None:
         complete(landed)
-        if "second" not in tokens:  # the first prompt step's tokens are read: the first decode step is on the device
-            tokens["second"] = []
+        if not sent.is_set():  # the first prompt step's tokens are read: the first decode step is on the device
+            sent.set()
             engine.submit(prompt_ids[1], params, "second", sink=sink)
 
     engine.runner.run, engine._complete = recording_run, completing
