@@ -653,7 +653,7 @@ class LaunchClock:
 
     STEPS = 64  # recent steps' device times kept
     FEWER = 0.25  # the steps it learns from: as many tokens as this one, or this share fewer
-    MARGIN_S = 0.0005
+    MARGIN_S = 0.001  # the read's wake-up after the step's end, and the host's jitter past its longest recent launch
 
     def __init__(self) -> None:
         self.steps: deque[tuple[int, float]] = deque(maxlen=self.STEPS)  # (tokens, device seconds)
