@@ -358,7 +358,7 @@ class LLMEngine(EngineThread[Sequence]):
         """Wait to schedule the next step until shortly before the device is expected to end ``running`` (began at
         ``began``), taking in the requests that arrive meanwhile, while the next step has room for them. Step N-1's
         events are handed over first; the wait ends early once the step is done or the next one is full."""
-        deadline = self.clock.deadline(running.tokens, began)
+        deadline = self.clock.deadline(running.size, began)
         if deadline is None or deadline - time.perf_counter() < HOLD_MIN_S:
             return
         scheduler = self.scheduler
@@ -396,7 +396,7 @@ class LLMEngine(EngineThread[Sequence]):
             seq = step[i].seq
             seq.pending += 1
             seq.pending_row = row
-        return _Launched(step, rows, out, began)
+        return _Launched(step, rows, out, began, sum(work.count for work in step))
 
     def _fill_masks(self, launched: _Launched) -> Future[list[int]] | None:
         """The token masks of the step's sampling rows whose sequences follow a grammar (row i of the bitmask for
@@ -450,7 +450,7 @@ class LLMEngine(EngineThread[Sequence]):
         read = time.perf_counter()
         self._read_at = read if read - reading > READ_WAITED_S else 0.0
         self.stats.device_time(landed.began, seconds, after.began if after is not None else None)
-        self.clock.ran(landed.tokens, seconds)
+        self.clock.ran(landed.size, seconds)
         for i, logits in out.all_logits.items():
             _collect_prompt_logprobs(step[i], logits)
         for work in step:
@@ -634,11 +634,8 @@ class _Launched:
     rows: list[int]
     out: StepOutput
     began: float
+    size: int  # the tokens it computes, counted once: what the launch clock learns from and waits by
     drawn: Drawn | None = None
-
-    @property
-    def tokens(self) -> int:
-        return sum(work.count for work in self.step)
 
 
 HOLD_MIN_S = 0.001  # a shorter wait for arrivals is not worth it
