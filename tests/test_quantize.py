@@ -14,7 +14,7 @@ from fp8_bounds import max_relative_error, rounding_bound
 from cache.checkpoint.fp8 import dequantize_weight, quantize_weight
 from cache.checkpoint.reader import read_checkpoint
 from cache.checkpoint.schemes import FP8_MAX, WeightKind
-from cache.checkpoint.synth import synth_checkpoint
+from cache.checkpoint.synth import SHAPES, synth_checkpoint
 
 KINDS = [WeightKind.FP8_BLOCK, WeightKind.FP8_CHANNEL, WeightKind.FP8_TENSOR]
 # Half an e4m3 step at the top of the range (16/448), plus the bf16 rounding of the result.
@@ -134,6 +134,26 @@ def test_synth_streams_shards_with_index(tmp_path: Path) -> None:
     assert len(shards) >= 2 and all((out / s).is_file() for s in shards)
     ckpt = read_checkpoint(out)
     assert ckpt.layout.shape.layers == 3 and len(ckpt.files) == len(shards)
+
+
+def test_synth_gives_its_tokenizer_a_word_for_every_id_of_the_model(demo_path, tmp_path: Path) -> None:
+    """A synthetic model of a larger vocabulary than the copied tokenizer's streams text for every token it samples,
+    and the tokenizer encodes as before; a tokenizer that covers the vocabulary is copied as it is."""
+    from engine.tokenizer import ChatTokenizer
+
+    demo = demo_path("bf16")
+    known = ChatTokenizer.load(demo).vocab_size
+    shape = {**SHAPES["smollm2-135m"], "vocab_size": known + 40, "num_hidden_layers": 1}
+    out = synth_checkpoint(tmp_path / "wide", shape, "bf16", tokenizer=demo, progress=False)
+    wide, plain = ChatTokenizer.load(out), ChatTokenizer.load(demo)
+    assert wide.vocab_size == known + 40
+    decoder = wide.incremental_decoder()
+    texts = [decoder.add(i) for i in [known, 1000, known + 39]]
+    assert texts[0] == f" tok{known}" and texts[1] == plain.decode([1000]) and texts[2] == f" tok{known + 39}"
+    sentence = "Cached prefixes: tok49152 is a word here, not a token. \u00e9t\u00e9 \U0001f600"
+    assert wide.encode(sentence) == plain.encode(sentence)
+    same = synth_checkpoint(tmp_path / "same", "smollm2-135m", "bf16", num_layers=1, tokenizer=demo, progress=False)
+    assert (same / "tokenizer.json").read_bytes() == (demo / "tokenizer.json").read_bytes()
 
 
 @pytest.mark.gpu
