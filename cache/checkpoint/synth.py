@@ -115,8 +115,9 @@ def cover_vocabulary(out: Path, vocab_size: int) -> int:
     if not path.is_file():
         return 0
     spec = json.loads(path.read_text(encoding="utf-8"))
-    vocab = spec.get("model", {}).get("vocab")
-    if spec["model"].get("type") != "BPE" or not isinstance(vocab, dict):
+    model = spec.get("model") or {}
+    vocab = model.get("vocab")
+    if model.get("type") != "BPE" or not isinstance(vocab, dict):
         return 0
     known = max([*vocab.values(), *(t["id"] for t in spec.get("added_tokens", []))]) + 1
     if known >= vocab_size:
