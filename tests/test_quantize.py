@@ -137,8 +137,8 @@ def test_synth_streams_shards_with_index(tmp_path: Path) -> None:
 
 
 def test_synth_gives_its_tokenizer_a_word_for_every_id_of_the_model(demo_path, tmp_path: Path) -> None:
-    """A synthetic model of a larger vocabulary than the copied tokenizer's streams text for every token it samples,
-    and the tokenizer encodes as before; a tokenizer that covers the vocabulary is copied as it is."""
+    """A synthetic model of a larger vocabulary than the copied tokenizer's: the engine's decoder gives text for every
+    id the model can sample, and the tokenizer encodes as before; one that covers the vocabulary is copied as it is."""
     from engine.tokenizer import ChatTokenizer
 
     demo = demo_path("bf16")
