@@ -174,17 +174,18 @@ def _silu_mul(g_ptr, u_ptr, out_ptr, s_ptr, n_cols, m, stride_g, stride_u, QUANT
         tl.store(out_ptr + row * n_cols + cols, y, mask=mask)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor, quantize_rows: int = 0) -> torch.Tensor | Quantized:
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, quantize_rows: int = 0, block: int = 1024,
+             num_warps: int = 4) -> torch.Tensor | Quantized:  # fmt: skip
     """silu(gate) * up for [T, I] views (rows may be slices of one merged gate/up output). ``quantize_rows``
-    (>= T): returned quantized for a block-FP8 GEMM in that many rows (I a multiple of 128)."""
+    (>= T): returned quantized for a block-FP8 GEMM in that many rows (I a multiple of 128). ``block`` (columns a
+    program, a multiple of 128) and ``num_warps``: launch choices (bench/decode_launch_probe.py tries others)."""
     rows, cols = gate.shape
     out = quantized_like(gate, quantize_rows) if quantize_rows else gate.new_empty(rows, cols)
     dest, scales = out[:2] if quantize_rows else (out, out)  # unquantized: no scales are written
-    block = 1024
     pdl = pdl_enabled(gate.device) and rows <= SMALL_ROWS
     _silu_mul[(quantize_rows or rows, triton.cdiv(cols, block))](
         gate, up, dest, scales, cols, rows, gate.stride(0), up.stride(0), QUANTIZE=quantize_rows > 0, BLOCK=block,
-        GROUP=GROUP, FP8_MAX=FP8_MAX, USE_PDL=pdl, launch_pdl=pdl,
+        GROUP=GROUP, FP8_MAX=FP8_MAX, USE_PDL=pdl, num_warps=num_warps, launch_pdl=pdl,
     )  # fmt: skip
     return out
 
@@ -219,20 +220,22 @@ def _rope_kv_write(qkv_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, slot_ptr, t
 
 
 def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, slots: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:  # fmt: skip
+                  v_cache: torch.Tensor, slots: torch.Tensor, heads: int, kv_heads: int,
+                  block_t: int | None = None) -> torch.Tensor:  # fmt: skip
     """Attention's input side in one launch: from the merged projection qkv [T, (H + 2*KV) * D],
     rotate q and k (rotate-half), write k and v of token t into cache slot slots[t] of one layer's
     cache [slots, KV, D], and return the rotated queries [T, H, D]. D must be a power of two.
     A program takes one head of one token at decode sizes and of 32 tokens past them: a 2,048-token
     prefill of llama3-8b made 81,920 one-token programs a layer, each moving ~0.5 KB, 1,524 us a
-    step on the H200 against 409 with 32 tokens a program (bench/results/gpu_step_profile_fused_prefill_*)."""
+    step on the H200 against 409 with 32 tokens a program (bench/results/gpu_step_profile_fused_prefill_*).
+    ``block_t``: tokens a program, a launch choice (bench/decode_launch_probe.py tries others)."""
     t = qkv.shape[0]
     dim = k_cache.shape[-1]
     q = torch.empty(t, heads, dim, dtype=qkv.dtype, device=qkv.device)
-    block_t = 1 if t <= SMALL_ROWS else 32
+    block_t = block_t or (1 if t <= SMALL_ROWS else 32)
     _rope_kv_write[(triton.cdiv(t, block_t), heads + kv_heads)](
         qkv, cos, sin, q, k_cache, v_cache, slots, t, qkv.stride(0), k_cache.stride(0), k_cache.stride(1),
-        HEADS=heads, KV_HEADS=kv_heads, HALF=dim // 2, BLOCK_T=block_t, num_warps=1 if block_t == 1 else 4,
+        HEADS=heads, KV_HEADS=kv_heads, HALF=dim // 2, BLOCK_T=block_t, num_warps=1 if block_t < 8 else 4,
         USE_PDL=(pdl := pdl_enabled(qkv.device) and t <= SMALL_ROWS), launch_pdl=pdl,
     )  # fmt: skip
     return q
