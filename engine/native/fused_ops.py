@@ -239,31 +239,3 @@ def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
         USE_PDL=(pdl := pdl_enabled(qkv.device) and t <= SMALL_ROWS), launch_pdl=pdl,
     )  # fmt: skip
     return q
-
-
-PREFETCH_CHUNK = 16 << 10  # bytes a bulk prefetch instruction asks for
-PREFETCH_CHUNKS = 32  # instructions a program of _prefetch_l2 issues: one a thread of its one warp
-
-
-@triton.jit
-def _prefetch_l2(ptr, n_bytes, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, USE_PDL: tl.constexpr):
-    """Start ``n_bytes`` from ``ptr`` on their way into L2 (Hopper's cp.async.bulk.prefetch.L2: no registers or
-    shared memory, nothing waits for it): CHUNKS chunks of CHUNK bytes a program, the last chunk clipped."""
-    pdl_enter(USE_PDL)
-    offs = (tl.program_id(0).to(tl.int64) * CHUNKS + tl.arange(0, CHUNKS)) * CHUNK
-    offs = tl.minimum(offs, ((n_bytes - 1) // CHUNK) * CHUNK)  # past the end: the last chunk again
-    size = tl.minimum(n_bytes - offs, CHUNK).to(tl.int32)
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
-                              [ptr + offs, size], dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
-
-
-def prefetch_l2(tensor: torch.Tensor, n_bytes: int | None = None) -> None:
-    """Start the first ``n_bytes`` (all by default) of a contiguous CUDA tensor towards L2, for a kernel that reads
-    it soon after the kernels launched between (a weight the GEMM after attention streams)."""
-    n_bytes = min(n_bytes or tensor.nbytes, tensor.nbytes) // 16 * 16
-    if n_bytes == 0:
-        return
-    programs = triton.cdiv(n_bytes, PREFETCH_CHUNK * PREFETCH_CHUNKS)
-    pdl = pdl_enabled(tensor.device)
-    _prefetch_l2[(programs,)](tensor.view(torch.uint8), n_bytes, CHUNK=PREFETCH_CHUNK, CHUNKS=PREFETCH_CHUNKS,
-                              USE_PDL=pdl, num_warps=1, launch_pdl=pdl)  # fmt: skip

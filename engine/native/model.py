@@ -241,31 +241,13 @@ class Transformer:
             if merged is not None:
                 from engine.native.fused_ops import rope_kv_write
 
-                qkv = merged(h)
-                self._prefetch(layer, qkv.shape[0])
-                q = rope_kv_write(qkv, cos, sin, kv.k[i], kv.v[i], batch.slots, s.heads, s.kv_heads)
+                q = rope_kv_write(merged(h), cos, sin, kv.k[i], kv.v[i], batch.slots, s.heads, s.kv_heads)
             else:
                 q, k, v = self._qkv(layer, h, cos, sin)
                 kv.write(i, k, v, batch.slots)
             return paged_attention(q, kv.k[i], kv.v[i], batch, self.scale)
 
         return self._forward(batch.tokens, batch.positions, attention)
-
-    def _prefetch(self, layer: Layer, rows: int) -> None:
-        """Experiment (WARMGATE_L2_PREFETCH, e.g. "o" or "o,gate_up:16"): start the o projection's weight (and the
-        first MB of gate_up's) towards L2 before attention, at decode sizes."""
-        import os
-
-        spec = os.environ.get("WARMGATE_L2_PREFETCH", "")
-        if not spec or rows > 64 or layer.o.tensors["weight"].device.type != "cuda":
-            return
-        from engine.native.fused_ops import prefetch_l2
-
-        for part in spec.split(","):
-            name, _, mb = part.partition(":")
-            linear = layer.o if name == "o" else layer.gate_up.merged
-            if linear is not None:
-                prefetch_l2(linear.tensors["weight"], int(mb) << 20 if mb else None)
 
     def _fusable_qkv(self, layer: Layer) -> Linear | None:
         """The merged q/k/v projection when CUDA can rotate q/k and write the cache in one kernel:
