@@ -90,9 +90,29 @@ def test_decode_of_fewer_programs_than_sms_is_split_to_about_four_programs_an_sm
             assert splits == MAX_SPLITS or programs * splits * 2 > 4 * sms, (sms, programs, splits)
 
 
+def test_split_k_makes_enough_programs_and_keeps_its_planes_within_a_quarter_of_the_weight() -> None:
+    """k_splits: the fewest splits dividing the K blocks that make 2.5 programs an SM, unless the split-K planes
+    (splits x m x N x 4 bytes) would pass a quarter of the weight's N x K bytes; llama3-8b's layer GEMMs at 1 and 64
+    rows as the decode step launches them (64-column tiles, 132 SMs)."""
+    from engine.native.triton_fp8 import BLOCK_K, MAX_SPLIT, k_splits
+
+    gemms = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+    chosen = {(name, m): k_splits(m, k, n // 64, 132) for name, (n, k) in gemms.items() for m in (1, 64)}
+    assert chosen == {("qkv", 1): 4, ("qkv", 64): 4, ("o", 1): 8, ("o", 64): 4, ("gate_up", 1): 1,
+                      ("gate_up", 64): 1, ("down", 1): 7, ("down", 64): 7}  # fmt: skip
+    for m in range(1, 129):
+        for n, k in gemms.values():
+            for tiles in (n // 64, 2 * n // 64):
+                split = k_splits(m, k, tiles, 132)
+                smaller = [s for s in range(1, split) if (k // BLOCK_K) % s == 0]
+                assert (k // BLOCK_K) % split == 0 and split <= MAX_SPLIT, (m, n, k, split)
+                assert split == 1 or split * m * n * 4 <= n * k / 4, (m, n, k, split)
+                assert all(tiles * s < 330 for s in smaller), (m, n, k, split)
+
+
 @pytest.mark.parametrize("t", [21, 75])
 def test_rope_kv_write_writes_each_token_to_its_slot(t: int) -> None:
-    """A program a token at decode sizes; past them 32 tokens a program, the last block partly empty."""
+    """Eight tokens a program at decode sizes, 32 past them; the last program's block partly empty."""
     _interpreted(f"""
         import torch
         from engine.native.fused_ops import rope_kv_write

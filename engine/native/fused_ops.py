@@ -225,17 +225,20 @@ def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
     """Attention's input side in one launch: from the merged projection qkv [T, (H + 2*KV) * D],
     rotate q and k (rotate-half), write k and v of token t into cache slot slots[t] of one layer's
     cache [slots, KV, D], and return the rotated queries [T, H, D]. D must be a power of two.
-    A program takes one head of one token at decode sizes and of 32 tokens past them: a 2,048-token
+    A program takes one head of up to 8 tokens at decode sizes and of 32 tokens past them: a 2,048-token
     prefill of llama3-8b made 81,920 one-token programs a layer, each moving ~0.5 KB, 1,524 us a
-    step on the H200 against 409 with 32 tokens a program (bench/results/gpu_step_profile_fused_prefill_*).
+    step on the H200 against 409 with 32 tokens a program (bench/results/gpu_step_profile_fused_prefill_*); at 64
+    decode rows on the H100, 3.63 us a layer with one token a program against 1.55 with 8 (4 warps) and 1.71 with 4
+    (bench/results/gpu_h100_decode_launch.json).
     ``block_t``: tokens a program, a launch choice (bench/decode_launch_probe.py tries others)."""
     t = qkv.shape[0]
     dim = k_cache.shape[-1]
     q = torch.empty(t, heads, dim, dtype=qkv.dtype, device=qkv.device)
-    block_t = block_t or (1 if t <= SMALL_ROWS else 32)
+    block_t = block_t or (min(8, triton.next_power_of_2(t)) if t <= SMALL_ROWS else 32)
     _rope_kv_write[(triton.cdiv(t, block_t), heads + kv_heads)](
         qkv, cos, sin, q, k_cache, v_cache, slots, t, qkv.stride(0), k_cache.stride(0), k_cache.stride(1),
         HEADS=heads, KV_HEADS=kv_heads, HALF=dim // 2, BLOCK_T=block_t, num_warps=1 if block_t < 8 else 4,
         USE_PDL=(pdl := pdl_enabled(qkv.device) and t <= SMALL_ROWS), launch_pdl=pdl,
     )  # fmt: skip
     return q
+

@@ -117,11 +117,11 @@ def fp8_block_gemm(x: torch.Tensor | Quantized, w: torch.Tensor, s: torch.Tensor
     block_m = min(64, max(16, triton.next_power_of_2(m)))
     # Launch choices from H200 sweeps (bench/gemm_small_m.py --splits, then --explore:
     # bench/results/gpu_gemm_small_m_{splits,explore}.json): 64 columns and 4 warps a program, K split so that there
-    # are at least 2.5 programs per SM, the weight tile as the MMA's left operand (swap-AB: its 64 rows on the side
-    # that Hopper's wgmma takes 64 at a time, the tokens on the narrow side), and for one row tile of 16 the weight
-    # brought in by TMA, five stages deep. For llama3-8b's four layer GEMMs: 73.1 / 79.7 / 101.0 us at 1 / 16 / 64
-    # rows against 79.9 / 82.0 / 103.1 for the same rule unswapped, through plain loads, three stages (72.0 / 77.4 /
-    # 96.1 for the best choice of each GEMM alone).
+    # are at least 2.5 programs per SM (k_splits), the weight tile as the MMA's left operand (swap-AB: its 64 rows on
+    # the side that Hopper's wgmma takes 64 at a time, the tokens on the narrow side), and for one row tile of 16 the
+    # weight brought in by TMA, five stages deep. For llama3-8b's four layer GEMMs: 73.1 / 79.7 / 101.0 us at 1 / 16
+    # / 64 rows against 79.9 / 82.0 / 103.1 for the same rule unswapped, through plain loads, three stages (72.0 /
+    # 77.4 / 96.1 for the best choice of each GEMM alone).
     block_n = block_n or 64
     num_warps = num_warps or 4
     if tma is None:  # TMA: 16-byte aligned rows, and a Triton that makes host-side descriptors (3.4+)
@@ -132,10 +132,7 @@ def fp8_block_gemm(x: torch.Tensor | Quantized, w: torch.Tensor, s: torch.Tensor
     k_blocks = kp // BLOCK_K
     if split_k is not None and k_blocks % split_k:
         raise ValueError(f"split_k={split_k} does not divide the {k_blocks} K blocks")
-    if split_k is None:
-        splits = [k for k in range(1, min(k_blocks, MAX_SPLIT) + 1) if k_blocks % k == 0]
-        wanted = 5 * sm_count(xq.device) // 2
-        split_k = next((k for k in splits if n_programs * m_tiles * k >= wanted), splits[-1])
+    split_k = split_k or k_splits(m, kp, n_programs * m_tiles, sm_count(xq.device))
     out = torch.empty(m, np_, dtype=dtype, device=xq.device)
     tiles = n_programs * m_tiles
     part = torch.empty(split_k * tiles * block_m * block_n if split_k > 1 else 1, dtype=torch.float32,
@@ -153,6 +150,19 @@ def fp8_block_gemm(x: torch.Tensor | Quantized, w: torch.Tensor, s: torch.Tensor
             num_warps=4, launch_pdl=pdl,
         )  # fmt: skip
     return out
+
+
+def k_splits(m: int, kp: int, tiles: int, sms: int) -> int:
+    """The launch rule's K splits for ``m`` rows, K of ``kp``, ``tiles`` output tiles on ``sms`` SMs: the fewest that
+    divide the K blocks and make at least 2.5 programs an SM, at most MAX_SPLIT, and at most K / (16 m): split-K's
+    fp32 planes (splits x m x N x 4 bytes, written and read again) stay within a quarter of the weight's bytes.
+    That cap only binds at 33-64 rows of K = 4,096 (o, qkv): on the H100, o at 64 rows took 12.12 us at the 8 splits
+    the programs alone asked for against 10.44 at 4 (bench/decode_launch_probe.py,
+    bench/results/gpu_h100_decode_launch.json); qkv's rule already gave 4, down's 7 (under its cap of 14)."""
+    k_blocks = kp // BLOCK_K
+    cap = max(1, kp // (16 * m))
+    splits = [k for k in range(1, min(k_blocks, MAX_SPLIT, cap) + 1) if k_blocks % k == 0]
+    return next((k for k in splits if tiles * k >= 5 * sms // 2), splits[-1])
 
 
 @functools.cache
