@@ -241,4 +241,3 @@ def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
         USE_PDL=(pdl := pdl_enabled(qkv.device) and t <= SMALL_ROWS), launch_pdl=pdl,
     )  # fmt: skip
     return q
-
