@@ -1,4 +1,4 @@
-"""Launch choices of a decode step's small kernels at 16-64 rows, on the GPU (issue 25's batch-64 step).
+"""Launch choices of a decode step's kernels at decode sizes (1-64 rows), on the GPU (issue 25's batch-64 step).
 
 The twenty-second session swept split-K with the GEMM summing its own planes; since then a second kernel
 (_sum_planes) adds them, and the splits were never swept again: here, llama3-8b's four layer GEMMs at each split that

@@ -156,8 +156,8 @@ def k_splits(m: int, kp: int, tiles: int, sms: int) -> int:
     """The launch rule's K splits for ``m`` rows, K of ``kp``, ``tiles`` output tiles on ``sms`` SMs: the fewest that
     divide the K blocks and make at least 2.5 programs an SM, at most MAX_SPLIT, and at most K / (16 m): split-K's
     fp32 planes (splits x m x N x 4 bytes, written and read again) stay within a quarter of the weight's bytes.
-    That cap only binds at 33-64 rows of K = 4,096 (o, qkv): on the H100, o at 64 rows took 12.12 us at the 8 splits
-    the programs alone asked for against 10.44 at 4 (bench/decode_launch_probe.py,
+    Of llama3-8b's GEMMs the cap changes only o at 33-64 rows (4 splits, not 8): on the H100, o at 64 rows took 12.12
+    us at the 8 splits the programs alone asked for against 10.44 at 4 (bench/decode_launch_probe.py,
     bench/results/gpu_h100_decode_launch.json); qkv's rule already gave 4, down's 7 (under its cap of 14)."""
     k_blocks = kp // BLOCK_K
     cap = max(1, kp // (16 * m))
