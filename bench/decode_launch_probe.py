@@ -22,24 +22,22 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.gemm_small_m import GEMMS, L2_BYTES, timed_us
+from bench.gemm_small_m import GEMMS, timed_us, weight_copies
 from bench.gpu_step_profile import graphed_us
 from engine.native.fused_ops import Quantized, rope_kv_write, silu_mul
-from engine.native.triton_fp8 import MAX_SPLIT, fp8_block_gemm, quantize_groups
+from engine.native.triton_fp8 import BLOCK_K, MAX_SPLIT, fp8_block_gemm, quantize_groups
 
 HEADS, KV_HEADS, DIM, INTERMEDIATE = 32, 8, 128, 14336
 
 
 def gemm_rows(rows: list[int], out: list[dict[str, object]]) -> None:
     for name, (n, k) in GEMMS.items():
-        copies = [((torch.randn(n, k, device="cuda") / 4).to(torch.float8_e4m3fn),
-                   torch.rand(n // 128, k // 128, device="cuda") + 0.5)
-                  for _ in range(max(2, L2_BYTES // (n * k)))]  # fmt: skip
+        copies = weight_copies(n, k)
         for m in rows:
             values = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             x = Quantized(*quantize_groups(values, m), values.dtype, m)  # as the norms hand it over
             ref = fp8_block_gemm(x, *copies[0])
-            for split in [None, *(s for s in range(1, MAX_SPLIT + 1) if (k // 128) % s == 0)]:
+            for split in [None, *(s for s in range(1, MAX_SPLIT + 1) if (k // BLOCK_K) % s == 0)]:
                 fn = lambda x, w, s, split=split: fp8_block_gemm(x, w, s, split_k=split)  # noqa: E731
                 same = bool(torch.equal(fn(x, *copies[0]), ref)) if split is None else None
                 row = {"kernel": "gemm", "gemm": name, "m": m, "split": split or "rule",

@@ -38,6 +38,14 @@ def cublas(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return y[:m]
 
 
+def weight_copies(n: int, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Random block-FP8 weights [n, k] with their 128x128 scales, as many copies as outgrow the L2 (at least two):
+    a timing cycles through them, so every call reads its weight from HBM as a decode step does."""
+    return [((torch.randn(n, k, device="cuda") / 4).to(torch.float8_e4m3fn),
+             torch.rand(n // 128, k // 128, device="cuda") + 0.5)
+            for _ in range(max(2, L2_BYTES // (n * k)))]  # fmt: skip
+
+
 def timed_us(fn, copies: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor) -> float:
     """GPU time of one call, from a CUDA graph that calls it once per weight copy, twice round."""
     turn = itertools.cycle(copies)
@@ -79,9 +87,7 @@ def main() -> None:
     rows: list[dict[str, object]] = []
     began = time.perf_counter()
     for name, (n, k) in GEMMS.items():
-        count = max(2, L2_BYTES // (n * k))
-        copies = [((torch.randn(n, k, device="cuda") / 4).to(torch.float8_e4m3fn),
-                   torch.rand(n // 128, k // 128, device="cuda") + 0.5) for _ in range(count)]  # fmt: skip
+        copies = weight_copies(n, k)
         for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = fp8_block_gemm(x, *copies[0]).float()

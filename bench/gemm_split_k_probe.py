@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from bench.gemm_small_m import weight_copies
 from bench.gpu_step_profile import graphed_us
 from engine.native.fused_ops import Quantized, pdl_enabled, pdl_enter, sm_count
 from engine.native.triton_fp8 import _plane_offsets, _sum_planes, _tensor_descriptor, fp8_block_gemm, quantize_groups
@@ -182,9 +183,7 @@ def main() -> None:
     torch.manual_seed(0)
     rows: list[dict[str, object]] = []
     for name, (n, k) in GEMMS.items():
-        count = max(2, (200 << 20) // (n * k))  # weight copies cycled: more bytes than the L2 holds
-        copies = [((torch.randn(n, k, device="cuda") / 4).to(torch.float8_e4m3fn),
-                   torch.rand(n // 128, k // 128, device="cuda") + 0.5) for _ in range(count)]  # fmt: skip
+        copies = weight_copies(n, k)  # cycled: more bytes than the L2 holds
         for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             xq = Quantized(*quantize_groups(x, m), x.dtype, m)
