@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.gemm_small_m import GEMMS, timed_us, weight_copies
 from bench.gpu_step_profile import graphed_us
-from engine.native.fused_ops import Quantized, SiluMul, add_rms_norm, rope_kv_write, silu_mul
+from engine.native.fused_ops import Quantized, rope_kv_write, silu_mul
 from engine.native.triton_fp8 import BLOCK_K, MAX_SPLIT, fp8_block_gemm, quantize_groups
 
 HEADS, KV_HEADS, DIM, INTERMEDIATE = 32, 8, 128, 14336
@@ -72,58 +72,17 @@ def small_kernels(rows: list[int], out: list[dict[str, object]]) -> None:
             print(json.dumps(row), flush=True)
 
 
-def fusions(rows: list[int], out: list[dict[str, object]]) -> None:
-    """The activations of o and down quantized by the GEMM's own programs as they read them (o: attention's bf16
-    output; down: silu(gate) * up computed there too) against a launch before the GEMM that does it (quantize_groups,
-    silu_mul), the two launches timed together; and the residual-add + RMSNorm kernel's warps."""
-    for name, (n, k) in GEMMS.items():
-        if name not in ("o", "down"):
-            continue
-        copies = weight_copies(n, k)
-        for m in rows:
-            if name == "o":
-                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                ways = {"launch_before": lambda x, w, s: fp8_block_gemm(x, w, s, prologue=False),
-                        "in_gemm": lambda x, w, s: fp8_block_gemm(x, w, s, prologue=True)}  # fmt: skip
-            else:
-                x = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
-                ways = {"launch_before": lambda x, w, s: fp8_block_gemm(silu_mul(x[:, :k], x[:, k:], m), w, s),
-                        "in_gemm": lambda x, w, s: fp8_block_gemm(SiluMul(x[:, :k], x[:, k:]), w, s)}  # fmt: skip
-            ref = ways["launch_before"](x, *copies[0])
-            for way, fn in ways.items():
-                same = bool(torch.equal(fn(x, *copies[0]), ref))
-                row = {"kernel": f"{name}_activation", "m": m, "way": way, "same": same,
-                       "us": round(timed_us(fn, copies, x), 2)}  # type: ignore[arg-type]  # fmt: skip
-                out.append(row)
-                print(json.dumps(row), flush=True)
-        del copies
-        torch.cuda.empty_cache()
-    hidden = GEMMS["o"][1]
-    weight = torch.rand(hidden, device="cuda", dtype=torch.bfloat16) + 0.5
-    for m in rows:
-        x = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
-        residual = torch.randn_like(x) / 100
-        for warps in (4, 8, 16):
-            us = graphed_us(lambda w=warps: add_rms_norm(x, residual, weight, 1e-5, m, num_warps=w))
-            out.append(row := {"kernel": "add_rms_norm", "m": m, "warps": warps, "us": round(us, 2)})
-            print(json.dumps(row), flush=True)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True, help="JSON file")
     parser.add_argument("--rows", default="1,16,32,64")
-    parser.add_argument("--only", choices=("fusions", "launches"), help="one part (default: both)")
     args = parser.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     torch.manual_seed(0)
     began = time.perf_counter()
     out: list[dict[str, object]] = []
-    if args.only != "launches":
-        fusions(rows, out)
-    if args.only != "fusions":
-        small_kernels(rows, out)
-        gemm_rows(rows, out)
+    small_kernels(rows, out)
+    gemm_rows(rows, out)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "seconds": round(time.perf_counter() - began, 1), "rows": out}  # fmt: skip

@@ -38,15 +38,6 @@ class Quantized(NamedTuple):
     rows: int
 
 
-class SiluMul(NamedTuple):
-    """silu(gate) * up for [M, I] views, left for the block-FP8 GEMM that takes it to compute and quantize as it reads
-    each group of 128 (engine/native/triton_fp8.py): the same values as silu_mul's quantized output, one launch
-    fewer."""
-
-    gate: torch.Tensor
-    up: torch.Tensor
-
-
 def quantized_like(x: torch.Tensor, rows: int) -> Quantized:
     """Room for ``x`` [M, K] quantized, in ``rows`` >= M rows."""
     cols = x.shape[1]
@@ -123,18 +114,16 @@ def _add_rms_norm(x_ptr, r_ptr, w_ptr, out_ptr, s_ptr, n_cols, m, eps, HAS_RESID
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                 quantize_rows: int = 0, num_warps: int = 4) -> torch.Tensor | Quantized:  # fmt: skip
+                 quantize_rows: int = 0) -> torch.Tensor | Quantized:  # fmt: skip
     """If ``residual`` is given, ``x += residual`` in place; returns rms_norm(x) * weight. x is [rows, cols].
-    ``quantize_rows`` (>= rows): returned quantized for a block-FP8 GEMM in that many rows (cols a multiple of 128).
-    ``num_warps``: a launch choice (bench/decode_launch_probe.py tries others)."""
+    ``quantize_rows`` (>= rows): returned quantized for a block-FP8 GEMM in that many rows (cols a multiple of 128)."""
     rows, cols = x.shape
     out = quantized_like(x, quantize_rows) if quantize_rows else torch.empty_like(x)
     dest, scales = out[:2] if quantize_rows else (out, out)  # unquantized: no scales are written
     _add_rms_norm[(quantize_rows or rows,)](
         x, residual if residual is not None else x, weight, dest, scales, cols, rows, eps,
         HAS_RESIDUAL=residual is not None, QUANTIZE=quantize_rows > 0, BLOCK=triton.next_power_of_2(cols), GROUP=GROUP,
-        FP8_MAX=FP8_MAX, num_warps=num_warps, USE_PDL=(pdl := pdl_enabled(x.device) and rows <= SMALL_ROWS),
-        launch_pdl=pdl,
+        FP8_MAX=FP8_MAX, num_warps=4, USE_PDL=(pdl := pdl_enabled(x.device) and rows <= SMALL_ROWS), launch_pdl=pdl,
     )  # fmt: skip
     return out
 

@@ -81,16 +81,13 @@ def fp8_block_scaled_mm(x: torch.Tensor, t: Tensors, r: LinearRecipe) -> torch.T
 
     cuBLAS' blockwise scaled_mm for large M when its layout rules hold (rows padded to
     CUBLAS_BLOCKWISE_ROWS, scale dimensions in multiples of 4 blocks); the Triton kernel, with
-    the same numerics, otherwise. ``x`` may come quantized (quantized_rows), or as silu(gate) * up for the Triton
-    GEMM to compute (takes_silu_mul).
+    the same numerics, otherwise. ``x`` may come quantized (quantized_rows).
     """
     from torch.nn.functional import ScalingType, scaled_mm
 
-    from engine.native.fused_ops import Quantized, SiluMul
+    from engine.native.fused_ops import Quantized
     from engine.native.triton_fp8 import fp8_block_gemm, quantize_groups
 
-    if isinstance(x, SiluMul):  # takes_silu_mul said so: the Triton GEMM, no padding of K
-        return _finish(fp8_block_gemm(x, t["weight"], t["weight_scale"]), t, r)
     quantized = x if isinstance(x, Quantized) else None
     m = quantized.rows if quantized else x.shape[0]
     if m <= SMALL_M or not _cublas_blockwise(r):
@@ -117,15 +114,6 @@ def quantized_rows(recipe: LinearRecipe, rows: int) -> int:
     if recipe.kernel != FP8_BLOCK_SCALED_MM or recipe.padded_in != recipe.in_features:
         return 0
     return _cublas_rows(rows) if rows > SMALL_M and _cublas_blockwise(recipe) else rows
-
-
-def takes_silu_mul(recipe: LinearRecipe, rows: int) -> bool:
-    """This layer's kernel computes silu(gate) * up itself from ``rows`` of gate and up as it reads and quantizes them
-    (engine/native/fused_ops.py's SiluMul): the Triton block-FP8 GEMM, no padding of K, up to PROLOGUE_ROWS rows."""
-    from engine.native.triton_fp8 import PROLOGUE_ROWS
-
-    return quantized_rows(recipe, rows) == rows and rows <= PROLOGUE_ROWS and (
-        rows <= SMALL_M or not _cublas_blockwise(recipe))
 
 
 def fp8_rowwise_scaled_mm(x: torch.Tensor, t: Tensors, r: LinearRecipe) -> torch.Tensor:

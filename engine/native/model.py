@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from cache.checkpoint.architecture import ModelShape
 from cache.processors.native import LinearRecipe, ProcessedWeights
 from engine.native.attention import StepBatch, paged_attention
-from engine.native.kernels import Kernel, kernel_for, quantized_rows, takes_silu_mul
+from engine.native.kernels import Kernel, kernel_for, quantized_rows
 from engine.native.kv_cache import KVCache
 
 
@@ -80,10 +80,6 @@ class Linear:
         """The rows in which its input may come quantized (engine/native/fused_ops.py: the norm or activation
         before it does it), or 0 (engine/native/kernels.py's quantized_rows)."""
         return quantized_rows(self.recipe, rows)
-
-    def takes_silu_mul(self, rows: int) -> bool:
-        """Its kernel computes silu(gate) * up of ``rows`` itself (engine/native/kernels.py's takes_silu_mul)."""
-        return takes_silu_mul(self.recipe, rows)
 
 
 class Projections:
@@ -216,12 +212,9 @@ class Transformer:
     def _mlp(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
         gate, up = layer.gate_up(h)
         if self.fused:
-            from engine.native.fused_ops import SiluMul, silu_mul
+            from engine.native.fused_ops import silu_mul
 
-            rows = gate.shape[0]
-            if layer.down.takes_silu_mul(rows):
-                return layer.down(SiluMul(gate, up))  # type: ignore[arg-type]
-            return layer.down(silu_mul(gate, up, layer.down.quantized_rows(rows)))  # type: ignore[arg-type]
+            return layer.down(silu_mul(gate, up, layer.down.quantized_rows(gate.shape[0])))  # type: ignore[arg-type]
         return layer.down(F.silu(gate) * up)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

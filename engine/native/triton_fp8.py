@@ -24,19 +24,17 @@ bench/results/gpu_gemm_small_m.json: its "prequantized" rows are this kernel).
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from engine.native.fused_ops import FP8_MAX, GROUP, SMALL_ROWS, Quantized, SiluMul, pdl_enabled, pdl_enter, sm_count
+from engine.native.fused_ops import FP8_MAX, GROUP, SMALL_ROWS, Quantized, pdl_enabled, pdl_enter, sm_count
 
 BLOCK_K = 128
 MAX_SPLIT = 16  # the most K splits a launch picks: the partial sums' traffic grows with them
 SUM_ROWS = 4  # rows of a tile per program of split-K's _sum_planes
-PROLOGUE_ROWS = int(os.environ.get("WARMGATE_FP8_PROLOGUE_ROWS", "16"))  # bf16 rows up to this quantized in the GEMM
 
 
 @triton.jit
@@ -44,7 +42,6 @@ def _fp8_block_gemm(
     xq_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, M, N, stride_xm, stride_xs, stride_wn, stride_sn,
     stride_om, SPLITS: tl.constexpr, K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, TMA: tl.constexpr, USE_PDL: tl.constexpr,
-    PROLOGUE: tl.constexpr = 0, FP8_MAX: tl.constexpr = 448.0,
 ):  # fmt: skip
     pdl_enter(USE_PDL)
     pid_n = tl.program_id(0)
@@ -60,8 +57,8 @@ def _fp8_block_gemm(
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_begin, k_begin + K_PER_SPLIT, BLOCK_K):
-        xq, x_scale = _activation_block(xq_ptr, xs_ptr, offs_m, M, k0 + offs_k, k0 // BLOCK_K, stride_xm, stride_xs,
-                                        PROLOGUE, FP8_MAX)  # fmt: skip
+        xq = tl.load(xq_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=m_mask, other=0.0)
+        x_scale = tl.load(xs_ptr + (k0 // BLOCK_K) * stride_xs + offs_m, mask=offs_m < M, other=0.0)
         if TMA:  # w_ptr is a host-made tensor descriptor of the weight: Hopper's bulk copies
             w = w_ptr.load([pid_n * BLOCK_N, k0])
         else:
@@ -80,29 +77,6 @@ def _fp8_block_gemm(
         offs, plane = _plane_offsets(pid_n, pid_m, tl.arange(0, BLOCK_M), tl.num_programs(0), tl.num_programs(2),
                                      BLOCK_M, BLOCK_N)  # fmt: skip
         tl.store(part_ptr + pid_k * plane + offs, acc, mask=m_mask)
-
-
-@triton.jit
-def _activation_block(x_ptr, x2_ptr, offs_m, M, cols, group, stride_xm, stride_x2, PROLOGUE: tl.constexpr,
-                      FP8_MAX: tl.constexpr):  # fmt: skip
-    """One K block of the activations, quantized: as quantize_groups (or the norm) left them (PROLOGUE 0: x_ptr fp8,
-    x2_ptr the scales, column-major), or quantized here from bf16 rows (1: x_ptr, rows stride_xm apart) or from
-    silu(gate) * up (2: gate at x_ptr, up at x2_ptr, rows stride_x2 apart), the same fp32 operations as
-    quantize_groups and _silu_mul + _store_groups, so the operands are bit for bit those of the launches it saves.
-    A K block is one group of 128: each program quantizes the blocks it reads."""
-    m_mask = offs_m[:, None] < M
-    if PROLOGUE == 0:
-        xq = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=m_mask, other=0.0)
-        scale = tl.load(x2_ptr + group * stride_x2 + offs_m, mask=offs_m < M, other=0.0)
-    else:
-        y = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=m_mask, other=0.0).to(tl.float32)
-        if PROLOGUE == 2:
-            u = tl.load(x2_ptr + offs_m[:, None] * stride_x2 + cols[None, :], mask=m_mask, other=0.0).to(tl.float32)
-            y = (y / (1.0 + tl.exp(-y))).to(x_ptr.dtype.element_ty).to(tl.float32) * u  # silu rounds like torch's
-            y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-12) / FP8_MAX
-        xq = tl.clamp(y / scale[:, None], -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
-    return xq, scale
 
 
 @triton.jit
@@ -132,26 +106,12 @@ def _sum_planes(part_ptr, out_ptr, M, stride_om, SPLITS: tl.constexpr, BLOCK_M: 
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], total.to(out_ptr.dtype.element_ty), mask=m_mask)
 
 
-def fp8_block_gemm(x: torch.Tensor | Quantized | SiluMul, w: torch.Tensor, s: torch.Tensor,
-                   block_n: int | None = None, split_k: int | None = None, num_warps: int | None = None,
-                   num_stages: int | None = None, swap_ab: bool = True, tma: bool | None = None,
-                   prologue: bool | None = None) -> torch.Tensor:  # fmt: skip
-    """x [M, Kp] bf16, already quantized, or silu(gate) * up still to compute (engine/native/fused_ops.py), w [Np,
-    Kp] fp8, s [>=Np/128, >=Kp/128] fp32 -> [M, Np] in x's dtype. bf16 rows are quantized by the GEMM's programs as
-    they read them (``prologue``; by default up to PROLOGUE_ROWS rows) or by one quantize_groups launch before it;
-    SiluMul always by the GEMM. Launch choices left as None follow the rule below."""
-    if isinstance(x, SiluMul):
-        kind, xq, xs, dtype = 2, x.gate, x.up, x.gate.dtype
-        stride_x2 = x.up.stride(0)
-    elif isinstance(x, Quantized):
-        kind, (xq, xs, dtype) = 0, x[:3]
-        stride_x2 = xs.stride(1)
-    elif prologue if prologue is not None else x.shape[0] <= PROLOGUE_ROWS:
-        kind, xq, xs, dtype = 1, x, x, x.dtype
-        stride_x2 = 0
-    else:
-        kind, (xq, xs), dtype = 0, quantize_groups(x, x.shape[0]), x.dtype
-        stride_x2 = xs.stride(1)
+def fp8_block_gemm(x: torch.Tensor | Quantized, w: torch.Tensor, s: torch.Tensor, block_n: int | None = None,
+                   split_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                   swap_ab: bool = True, tma: bool | None = None) -> torch.Tensor:  # fmt: skip
+    """x [M, Kp] bf16 (or already quantized: engine/native/fused_ops.py), w [Np, Kp] fp8, s [>=Np/128, >=Kp/128]
+    fp32 -> [M, Np] in x's dtype. Launch choices left as None follow the rule below."""
+    xq, xs, dtype = x[:3] if isinstance(x, Quantized) else (*quantize_groups(x, x.shape[0]), x.dtype)
     m, kp = xq.shape
     np_ = w.shape[0]
     block_m = min(64, max(16, triton.next_power_of_2(m)))
@@ -179,10 +139,9 @@ def fp8_block_gemm(x: torch.Tensor | Quantized | SiluMul, w: torch.Tensor, s: to
                        device=xq.device)  # fmt: skip
     w_arg = _tensor_descriptor().from_tensor(w, [block_n, BLOCK_K]) if tma else w
     _fp8_block_gemm[(n_programs, split_k, m_tiles)](
-        xq, xs, w_arg, s, out, part, m, np_, xq.stride(0), stride_x2, w.stride(0),
+        xq, xs, w_arg, s, out, part, m, np_, xq.stride(0), xs.stride(1), w.stride(0),
         s.stride(0), out.stride(0), SPLITS=split_k, K_PER_SPLIT=kp // split_k, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=BLOCK_K, SWAP_AB=swap_ab, TMA=tma, num_warps=num_warps, num_stages=num_stages, PROLOGUE=kind,
-        FP8_MAX=FP8_MAX,
+        BLOCK_K=BLOCK_K, SWAP_AB=swap_ab, TMA=tma, num_warps=num_warps, num_stages=num_stages,
         USE_PDL=(pdl := pdl_enabled(xq.device) and m <= SMALL_ROWS), launch_pdl=pdl,
     )  # fmt: skip
     if split_k > 1:
