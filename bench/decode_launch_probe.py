@@ -30,20 +30,21 @@ from engine.native.triton_fp8 import BLOCK_K, MAX_SPLIT, fp8_block_gemm, quantiz
 HEADS, KV_HEADS, DIM, INTERMEDIATE = 32, 8, 128, 14336
 
 
-def gemm_rows(rows: list[int], out: list[dict[str, object]]) -> None:
+def gemm_rows(rows: list[int], out: list[dict[str, object]], warps: list[int]) -> None:
     for name, (n, k) in GEMMS.items():
         copies = weight_copies(n, k)
         for m in rows:
             values = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             x = Quantized(*quantize_groups(values, m), values.dtype, m)  # as the norms hand it over
             ref = fp8_block_gemm(x, *copies[0])
-            for split in [None, *(s for s in range(1, MAX_SPLIT + 1) if (k // BLOCK_K) % s == 0)]:
-                fn = lambda x, w, s, split=split: fp8_block_gemm(x, w, s, split_k=split)  # noqa: E731
+            splits = [None, *(s for s in range(1, MAX_SPLIT + 1) if (k // BLOCK_K) % s == 0)]
+            for split, w in itertools.product(splits, warps):
+                fn = lambda x, wt, s, split=split, w=w: fp8_block_gemm(x, wt, s, split_k=split, num_warps=w)  # noqa: E731
                 same = bool(torch.equal(fn(x, *copies[0]), ref)) if split is None else None
-                row = {"kernel": "gemm", "gemm": name, "m": m, "split": split or "rule",
+                row = {"kernel": "gemm", "gemm": name, "m": m, "split": split or "rule", "warps": w,
                        "us": round(timed_us(fn, copies, x), 2)}  # type: ignore[arg-type]  # fmt: skip
                 if same is not None:
-                    row["repeatable"] = same
+                    row["same_as_rule"] = same
                 out.append(row)
                 print(json.dumps(row), flush=True)
         del copies
@@ -76,13 +77,17 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True, help="JSON file")
     parser.add_argument("--rows", default="1,16,32,64")
+    parser.add_argument("--warps", default="4", help="the GEMMs' warps a program to try, e.g. 4,8")
+    parser.add_argument("--only", choices=("gemms", "small"), help="one part (default: both)")
     args = parser.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     torch.manual_seed(0)
     began = time.perf_counter()
     out: list[dict[str, object]] = []
-    small_kernels(rows, out)
-    gemm_rows(rows, out)
+    if args.only != "gemms":
+        small_kernels(rows, out)
+    if args.only != "small":
+        gemm_rows(rows, out, [int(w) for w in args.warps.split(",")])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "seconds": round(time.perf_counter() - began, 1), "rows": out}  # fmt: skip
