@@ -79,10 +79,10 @@ def record(path: str, step: str, attention: dict[str, int], decode: dict[str, in
     qkv = fp8_block_gemm(h, *qkv_w) if triton_gemm else torch.empty(rows, qkv_w[0].shape[0], dtype=bf16)
     cos = sin = torch.empty(rows, DIM // 2)
     q = rope_kv_write(qkv, cos, sin, k_cache, v_cache, torch.zeros(rows, dtype=torch.long), HEADS, KV_HEADS)
-    out = paged_attention(q, k_cache, v_cache, batch, DIM**-0.5)
+    out = paged_attention(q, k_cache, v_cache, batch, DIM**-0.5, quantize_rows=quantized)  # as the model asks
     if extra := attention if batch.max_query_len > 1 else decode:
-        paged_attention(q, k_cache, v_cache, batch, DIM**-0.5, **extra)
-    o = fp8_block_gemm(out, *o_w) if triton_gemm else quantize_groups(out, quantized)[0]
+        paged_attention(q, k_cache, v_cache, batch, DIM**-0.5, quantize_rows=quantized, **extra)
+    o = fp8_block_gemm(out, *o_w) if triton_gemm else quantize_groups(out, quantized)[0]  # type: ignore[arg-type]
     h = add_rms_norm(x, o if triton_gemm else x, norm, 1e-5, quantized)
     gate_up = fp8_block_gemm(h, *gate_up_w) if triton_gemm else torch.empty(rows, 2 * INTERMEDIATE, dtype=bf16)
     act = silu_mul(gate_up[:, :INTERMEDIATE], gate_up[:, INTERMEDIATE:], quantized)

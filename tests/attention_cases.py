@@ -92,6 +92,35 @@ def check_paged_attention(device: torch.device, dtype: torch.dtype, heads: int, 
         assert error < tolerance, (name, error)
 
 
+def check_split_decode_quantized_for_the_gemm(device: torch.device, dtype: torch.dtype) -> None:
+    """A decode step split over programs hands o_proj its input quantized where asked (quantize_rows = T, head dim
+    128: a head is one group of 128): from its merge, the same fp8 codes and scales as quantize_groups of the bf16
+    output it would have returned; a step walked by one program a sequence, or rows other than T, unquantized."""
+    from engine.native.fused_ops import Quantized
+    from engine.native.triton_attention import paged_attention
+    from engine.native.triton_fp8 import quantize_groups
+
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, dim, blocks = 8, 2, 128, 40
+    k = torch.randn(blocks * PAGE, kv_heads, dim, generator=gen).to(device, dtype)
+    v = torch.randn(blocks * PAGE, kv_heads, dim, generator=gen).to(device, dtype)
+    batch = make_batch([(37, 1), (1, 1), (200, 1)], blocks, device, gen, None, 0, 0)
+    q = torch.randn(3, heads, dim, generator=gen).to(device, dtype)
+    launch = {"split_kv": 3, "block_n": 16}
+    plain = paged_attention(q, k, v, batch, dim**-0.5, **launch)
+    made = paged_attention(q, k, v, batch, dim**-0.5, quantize_rows=3, **launch)
+    assert isinstance(made, Quantized) and made.rows == 3 and made.dtype == dtype, made
+    ref_q, ref_s = quantize_groups(plain, 3)
+    assert torch.equal(made.q.view(torch.uint8), ref_q.view(torch.uint8))
+    assert made.scale.stride() == ref_s.stride() == (1, 3) and torch.equal(made.scale, ref_s)
+    one_walk = {"split_kv": 1, "block_n": 16}
+    walked_once = paged_attention(q, k, v, batch, dim**-0.5, **one_walk)
+    cases = (({**one_walk, "quantize_rows": 3}, walked_once), ({**launch, "quantize_rows": 4}, plain))
+    for other, unquantized in cases:
+        out = paged_attention(q, k, v, batch, dim**-0.5, **other)  # type: ignore[arg-type]
+        assert isinstance(out, torch.Tensor) and torch.equal(out, unquantized), other
+
+
 def record_shared_prefixes(engine: Any) -> list[tuple[int, int, int]]:
     """From now on, (sequences, rows, the shared prefix staged for the kernel) of each step the engine's runner runs
     (engine/native/model_runner.py, ``_shared_prefix``), read from the staged host buffer once the step is launched."""

@@ -378,6 +378,13 @@ def test_paged_attention_kernel_matches_reference(heads: int, kv_heads: int, dim
     check_paged_attention(torch.device("cuda"), torch.bfloat16, heads, kv_heads, dim, tolerance=2e-2)
 
 
+def test_split_decode_hands_o_proj_its_input_quantized_as_quantize_groups_does() -> None:
+    """The merge of a split decode step quantizes its output for o_proj bit for bit as quantize_groups would."""
+    from attention_cases import check_split_decode_quantized_for_the_gemm
+
+    check_split_decode_quantized_for_the_gemm(torch.device("cuda"), torch.bfloat16)
+
+
 def _reference_logits(path: Path, tokens: list[int]) -> torch.Tensor:
     """Every position's logits from a plain-torch fp32 forward over dequantized weights (full causal SDPA),
     with each FP8 layer's input rounded as the W8A8 kernels round it (e4m3 per token and group of 128)."""

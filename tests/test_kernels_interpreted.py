@@ -52,6 +52,14 @@ def test_paged_attention_kernel_matches_reference(heads: int, kv_heads: int, dim
     """)
 
 
+def test_split_decode_hands_o_proj_its_input_quantized() -> None:
+    _interpreted("""
+        import torch
+        from attention_cases import check_split_decode_quantized_for_the_gemm
+        check_split_decode_quantized_for_the_gemm(torch.device("cpu"), torch.bfloat16)
+    """)
+
+
 def test_paged_attention_compiles_for_hopper_in_every_launch_shape() -> None:
     """The attention kernel as the H200 launches it (bf16, head dim 128, each of launch_shape's choices for prompt
     rows and decode; 96 for a head size not a power of two; specialized as the JIT does there) compiles for sm_90:

@@ -49,6 +49,7 @@ def record_launches(path: str, execute: bool = True) -> None:
     import inspect
     import json
 
+    import triton
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
     from triton.runtime import interpreter
@@ -70,8 +71,8 @@ def record_launches(path: str, execute: bool = True) -> None:
 
         signature, constants, divisible = {}, {}, []
         for name, value in bound.arguments.items():
-            if "constexpr" in str(parameters[name].annotation):
-                constants[name] = value
+            if "constexpr" in str(parameters[name].annotation):  # a Triton dtype as its name: {"tl.dtype": "bf16"}
+                constants[name] = {"tl.dtype": str(value)} if isinstance(value, triton.language.dtype) else value
             elif type(value).__name__ == "TensorDescriptor":  # a host-made one: the weight's TMA descriptor
                 dtype = POINTER_TYPES[str(value.base.dtype).removeprefix("torch.")]
                 signature[name] = f"tensordesc<{dtype}{list(value.block_shape)}>"
@@ -118,7 +119,8 @@ def compile_launches(path: str) -> list[dict[str, object]]:
         kernel = getattr(importlib.import_module(launch["module"]), launch["name"])
         names = list(kernel.arg_names)
         signature = {name: launch["signature"].get(name, "constexpr") for name in names}
-        constants = {(names.index(k),): v for k, v in launch["constants"].items()}
+        constants = {(names.index(k),): triton.language.dtype(v["tl.dtype"]) if isinstance(v, dict) else v
+                     for k, v in launch["constants"].items()}  # fmt: skip
         attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in launch.get("divisible", ())}
         binary = triton.compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget(*TARGET),
                                 options=launch["options"])  # fmt: skip

@@ -12,9 +12,13 @@ plain torch, one SDPA call per sequence, and is the reference the kernel is test
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from engine.native.fused_ops import Quantized
 
 
 @dataclass
@@ -38,12 +42,13 @@ class StepBatch:
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: StepBatch,
-                    scale: float) -> torch.Tensor:  # fmt: skip
-    """q [T, heads, d] against one layer's cache [slots, kv_heads, d] -> [T, heads * d]."""
+                    scale: float, quantize_rows: int = 0) -> torch.Tensor | Quantized:  # fmt: skip
+    """q [T, heads, d] against one layer's cache [slots, kv_heads, d] -> [T, heads * d]; on CUDA, for
+    ``quantize_rows`` = T, possibly quantized for the block-FP8 GEMM it goes to (engine/native/triton_attention.py)."""
     if q.is_cuda:
         from engine.native.triton_attention import paged_attention as triton_paged_attention
 
-        return triton_paged_attention(q, k_cache, v_cache, batch, scale)
+        return triton_paged_attention(q, k_cache, v_cache, batch, scale, quantize_rows=quantize_rows)
     return attention_reference(q, k_cache, v_cache, batch, scale)
 
 

@@ -47,8 +47,8 @@ def quantized_like(x: torch.Tensor, rows: int) -> Quantized:
 
 
 @triton.jit
-def _store_groups(q_ptr, s_ptr, row, rows, n_cols, first, y, BLOCK: tl.constexpr, GROUP: tl.constexpr,
-                  FP8_MAX: tl.constexpr):  # fmt: skip
+def store_groups(q_ptr, s_ptr, row, rows, n_cols, first, y, BLOCK: tl.constexpr, GROUP: tl.constexpr,
+                 FP8_MAX: tl.constexpr):  # fmt: skip
     """Columns first..first+BLOCK-1 of one row (y: fp32 holding bf16 values, zeros past n_cols, a multiple of
     GROUP), quantized as quantize_groups does it: q at [row, col], the scale of group g at g * rows + row."""
     groups = tl.reshape(y, (BLOCK // GROUP, GROUP))
@@ -108,7 +108,7 @@ def _add_rms_norm(x_ptr, r_ptr, w_ptr, out_ptr, s_ptr, n_cols, m, eps, HAS_RESID
     normed = (x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)  # HF rounds before the weight
     y = (normed * w).to(x_ptr.dtype.element_ty)
     if QUANTIZE:
-        _store_groups(out_ptr, s_ptr, row, tl.num_programs(0), n_cols, 0, y.to(tl.float32), BLOCK, GROUP, FP8_MAX)
+        store_groups(out_ptr, s_ptr, row, tl.num_programs(0), n_cols, 0, y.to(tl.float32), BLOCK, GROUP, FP8_MAX)
     else:
         tl.store(out_ptr + row * n_cols + cols, y, mask=mask)
 
@@ -169,7 +169,7 @@ def _silu_mul(g_ptr, u_ptr, out_ptr, s_ptr, n_cols, m, stride_g, stride_u, QUANT
     y = (g / (1.0 + tl.exp(-g))).to(g_ptr.dtype.element_ty).to(tl.float32) * u  # silu rounds like torch's
     y = y.to(g_ptr.dtype.element_ty)
     if QUANTIZE:
-        _store_groups(out_ptr, s_ptr, row, tl.num_programs(0), n_cols, first, y.to(tl.float32), BLOCK, GROUP, FP8_MAX)
+        store_groups(out_ptr, s_ptr, row, tl.num_programs(0), n_cols, first, y.to(tl.float32), BLOCK, GROUP, FP8_MAX)
     else:
         tl.store(out_ptr + row * n_cols + cols, y, mask=mask)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +18,9 @@ from cache.checkpoint.architecture import ModelShape
 from cache.processors.native import LinearRecipe, ProcessedWeights
 from engine.native.attention import StepBatch, paged_attention
 from engine.native.kernels import Kernel, kernel_for, quantized_rows
+
+if TYPE_CHECKING:
+    from engine.native.fused_ops import Quantized
 from engine.native.kv_cache import KVCache
 
 
@@ -236,7 +239,8 @@ class Transformer:
         several sequences); writes their keys and values into the cache first."""
         s = self.args.shape
 
-        def attention(i: int, layer: Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        def attention(i: int, layer: Layer, h: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor) -> torch.Tensor | Quantized:  # fmt: skip
             merged = self._fusable_qkv(layer)
             if merged is not None:
                 from engine.native.fused_ops import rope_kv_write
@@ -245,7 +249,7 @@ class Transformer:
             else:
                 q, k, v = self._qkv(layer, h, cos, sin)
                 kv.write(i, k, v, batch.slots)
-            return paged_attention(q, kv.k[i], kv.v[i], batch, self.scale)
+            return paged_attention(q, kv.k[i], kv.v[i], batch, self.scale, layer.o.quantized_rows(q.shape[0]))
 
         return self._forward(batch.tokens, batch.positions, attention)
 

@@ -35,11 +35,21 @@ import torch
 import triton
 import triton.language as tl
 
+from cache.checkpoint.schemes import FP8_BLOCK, FP8_MAX
 from engine.native.attention import StepBatch
-from engine.native.fused_ops import SMALL_ROWS, pdl_enabled, pdl_enter, sm_count
+from engine.native.fused_ops import (
+    SMALL_ROWS,
+    Quantized,
+    pdl_enabled,
+    pdl_enter,
+    quantized_like,
+    sm_count,
+    store_groups,
+)
 
 MIN_ROWS = 16  # tl.dot needs at least 16 rows
 DECODE_GROUP = 4  # decode rows a program of a step with a shared prefix takes together (_shared_prefix_rows)
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @triton.jit(do_not_specialize=["seqs"])
@@ -117,10 +127,13 @@ def _paged_attention(
 
 
 @triton.jit
-def _merge_splits(part_ptr, out_ptr, stride_pt, stride_ph, stride_ot, stride_oh, SPLITS: tl.constexpr,
-                  SPLITS_P2: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+def _merge_splits(part_ptr, out_ptr, scale_ptr, stride_pt, stride_ph, stride_ot, stride_oh, SPLITS: tl.constexpr,
+                  SPLITS_P2: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                  QUANTIZE: tl.constexpr, FP8_MAX: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
     """A decode row's head from its SPLITS partial walks (in split order: deterministic), as one walk's online softmax
-    would have ended: each split's sum weighted by exp2(its max - the overall max), over the weighted totals."""
+    would have ended: each split's sum weighted by exp2(its max - the overall max), over the weighted totals. Rounded
+    to OUT_DTYPE; QUANTIZE (D = 128): stored as one group of a block-FP8 GEMM's activations instead (fp8 at out_ptr,
+    the group's scale at scale_ptr), as quantize_groups would quantize the rounded values."""
     pdl_enter(USE_PDL)
     t = tl.program_id(0)
     head = tl.program_id(1)
@@ -133,8 +146,12 @@ def _merge_splits(part_ptr, out_ptr, stride_pt, stride_ph, stride_ot, stride_oh,
     weight = tl.math.exp2(m - tl.where(top == float("-inf"), 0.0, top))  # splits that saw no key (or no row): 0
     total = tl.sum(tl.load(part + D + 1, mask=live, other=0.0) * weight, 0)
     sums = tl.load(part[:, None] + dims[None, :], mask=live[:, None] & (dims < D)[None, :], other=0.0)
-    out = tl.sum(sums * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(out_ptr + t * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dims < D)
+    out = (tl.sum(sums * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)).to(OUT_DTYPE)
+    if QUANTIZE:  # the row's group `head`: columns head * D .. head * D + D - 1 of o_proj's input
+        store_groups(out_ptr, scale_ptr, t, tl.num_programs(0), tl.num_programs(1) * D, head * D, out.to(tl.float32),
+                     D, D, FP8_MAX)  # fmt: skip
+    else:
+        tl.store(out_ptr + t * stride_ot + head * stride_oh + dims, out, mask=dims < D)
 
 
 @triton.jit
@@ -294,13 +311,16 @@ def _none_shared(device: torch.device) -> torch.Tensor:
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: StepBatch, scale: float,
                     block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                     block_q: int | None = None, decode_group: int = DECODE_GROUP, maxnreg: int | None = None,
-                    split_kv: int | None = None) -> torch.Tensor:  # fmt: skip
+                    split_kv: int | None = None, quantize_rows: int = 0) -> torch.Tensor | Quantized:  # fmt: skip
     """q [T, heads, d] against one layer's cache [slots, kv_heads, d] -> [T, heads * d]. ``block_n``, ``num_warps``,
     ``num_stages``, ``block_q``, ``decode_group``, ``maxnreg`` (registers a thread at most): launch choices other
     than launch_shape's and DECODE_GROUP (bench/attention_decode.py and bench/attention_ab.py try them).
     ``split_kv``: a decode step's positions walked by that many programs a sequence and KV head (launch_shape's
     choice unless given), whole tiles each, their partial softmaxes merged by a second kernel (_merge_splits): a few
-    sequences would otherwise run a program per sequence and KV head on a GPU of 132 SMs."""
+    sequences would otherwise run a program per sequence and KV head on a GPU of 132 SMs.
+    ``quantize_rows`` (= T): where that merge runs and d is a quantization group (128), the output comes quantized
+    for o_proj's block-FP8 GEMM (engine/native/fused_ops.py's Quantized: the same codes and scales as quantize_groups
+    of the bf16 output), one launch fewer; otherwise [T, heads * d] in q's dtype, as always."""
     t, heads, d = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
@@ -327,10 +347,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         num_warps=num_warps or launch.num_warps, num_stages=num_stages or launch.num_stages, launch_pdl=pdl,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
-    if splits > 1:
-        _merge_splits[(t, heads)](
-            dest, out, dest.stride(0), dest.stride(1), out.stride(0), out.stride(1), SPLITS=splits,
-            SPLITS_P2=triton.next_power_of_2(splits), D=d, D_P2=triton.next_power_of_2(d), USE_PDL=pdl,
-            num_warps=4, launch_pdl=pdl,
-        )  # fmt: skip
-    return out.view(t, heads * d)
+    if splits == 1:
+        return out.view(t, heads * d)
+    quantized = quantized_like(out.view(t, heads * d), t) if quantize_rows == t and d == FP8_BLOCK else None
+    merged = quantized.q if quantized else out
+    _merge_splits[(t, heads)](
+        dest, merged, quantized.scale if quantized else merged, dest.stride(0), dest.stride(1), merged.stride(0),
+        d, SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), D=d, D_P2=triton.next_power_of_2(d),
+        OUT_DTYPE=_TL_DTYPES[q.dtype], QUANTIZE=quantized is not None, FP8_MAX=FP8_MAX, USE_PDL=pdl, num_warps=4,
+        launch_pdl=pdl,
+    )  # fmt: skip
+    return quantized or out.view(t, heads * d)
