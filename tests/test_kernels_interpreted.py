@@ -53,6 +53,8 @@ def test_paged_attention_kernel_matches_reference(heads: int, kv_heads: int, dim
 
 
 def test_split_decode_hands_o_proj_its_input_quantized() -> None:
+    """engine/native/triton_attention.py: a split decode step's merge quantizes o_proj's input (head dim 128, bf16)
+    to the codes and scales quantize_groups gives its unquantized output; one walk, or other rows, stay bf16."""
     _interpreted("""
         import torch
         from attention_cases import check_split_decode_quantized_for_the_gemm

@@ -18,10 +18,10 @@ from cache.checkpoint.architecture import ModelShape
 from cache.processors.native import LinearRecipe, ProcessedWeights
 from engine.native.attention import StepBatch, paged_attention
 from engine.native.kernels import Kernel, kernel_for, quantized_rows
+from engine.native.kv_cache import KVCache
 
 if TYPE_CHECKING:
     from engine.native.fused_ops import Quantized
-from engine.native.kv_cache import KVCache
 
 
 @dataclass(frozen=True)
