@@ -4,8 +4,8 @@ The twenty-second session swept split-K with the GEMM summing its own planes; si
 (_sum_planes) adds them, and the splits were never swept again: here, llama3-8b's four layer GEMMs at each split that
 divides their K blocks against the launch rule's, the split-K sum included, weights cycled past the L2. Also the
 rotary/KV-write kernel's tokens a program and the SiLU-mul kernel's columns a program and warps (one token and 1,024
-columns today), and with --warps the GEMMs' warps a program. Each timing is a CUDA graph of the call repeated
-(bench/gpu_step_profile.py's graphed_us).
+columns when this probe was written; the rotary kernel's rule has taken up to 8 since), and with --warps the GEMMs'
+warps a program. Each timing is a CUDA graph of the call repeated (bench/gpu_step_profile.py's graphed_us).
 
     PYTHONPATH=/tmp/site:$PWD python3 bench/decode_launch_probe.py --out $OUT/decode_launch.json
 """
