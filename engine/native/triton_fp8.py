@@ -132,9 +132,9 @@ def fp8_block_gemm(x: torch.Tensor | Quantized, w: torch.Tensor, s: torch.Tensor
     k_blocks = kp // BLOCK_K
     if split_k is not None and k_blocks % split_k:
         raise ValueError(f"split_k={split_k} does not divide the {k_blocks} K blocks")
-    split_k = split_k or k_splits(m, kp, n_programs * m_tiles, sm_count(xq.device))
-    out = torch.empty(m, np_, dtype=dtype, device=xq.device)
     tiles = n_programs * m_tiles
+    split_k = split_k or k_splits(m, kp, tiles, sm_count(xq.device))
+    out = torch.empty(m, np_, dtype=dtype, device=xq.device)
     part = torch.empty(split_k * tiles * block_m * block_n if split_k > 1 else 1, dtype=torch.float32,
                        device=xq.device)  # fmt: skip
     w_arg = _tensor_descriptor().from_tensor(w, [block_n, BLOCK_K]) if tma else w
