@@ -102,20 +102,23 @@ def test_decode_of_fewer_programs_than_sms_is_split_to_about_four_programs_an_sm
 
 def test_split_k_makes_enough_programs_and_keeps_its_planes_within_a_quarter_of_the_weight() -> None:
     """k_splits: the fewest splits dividing the K blocks (at most MAX_SPLIT) that make 2.5 programs an SM, of those
-    whose split-K planes (splits x m x N x 4 bytes) stay within a quarter of the weight's N x K bytes, else the most
-    of those; llama3-8b's layer GEMMs at 1 and 64 rows as the decode step launches them (64-column tiles, 132 SMs)."""
-    from engine.native.triton_fp8 import BLOCK_K, MAX_SPLIT, k_splits
+    whose split-K planes (splits x m x N x 4 bytes) stay within a quarter of the weight's N x K bytes and whose
+    programs each walk at least MIN_WALK K blocks, else the most of those; llama3-8b's layer GEMMs at 1 and 64 rows
+    as the decode step launches them (64-column tiles, 132 SMs), and a small model's short K, never split."""
+    from engine.native.triton_fp8 import BLOCK_K, MAX_SPLIT, MIN_WALK, k_splits
 
     gemms = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
     chosen = {(name, m): k_splits(m, k, n // 64, 132) for name, (n, k) in gemms.items() for m in (1, 64)}
-    assert chosen == {("qkv", 1): 4, ("qkv", 64): 4, ("o", 1): 8, ("o", 64): 4, ("gate_up", 1): 1,
+    assert chosen == {("qkv", 1): 4, ("qkv", 64): 4, ("o", 1): 4, ("o", 64): 4, ("gate_up", 1): 1,
                       ("gate_up", 64): 1, ("down", 1): 7, ("down", 64): 7}  # fmt: skip
+    assert k_splits(1, 640, 9, 132) == 1  # SmolLM2-135M's hidden 576, padded: five K blocks
     for m in range(1, 129):
-        for n, k in gemms.values():
+        for n, k in [*gemms.values(), (1536, 640), (576, 1536)]:
             for tiles in (n // 64, 2 * n // 64):
                 split = k_splits(m, k, tiles, 132)
-                planes_fit = {s: s == 1 or s * m * n * 4 <= n * k / 4 for s in range(1, MAX_SPLIT + 1)}
-                allowed = [s for s, fits in planes_fit.items() if fits and (k // BLOCK_K) % s == 0]
+                fits = {s: s == 1 or (s * m * n * 4 <= n * k / 4 and k // BLOCK_K // s >= MIN_WALK)
+                        for s in range(1, MAX_SPLIT + 1)}  # fmt: skip
+                allowed = [s for s, ok in fits.items() if ok and (k // BLOCK_K) % s == 0]
                 assert split in allowed, (m, n, k, split)
                 assert all(tiles * s < 330 for s in allowed if s < split), (m, n, k, split)  # no fewer would do
                 assert tiles * split >= 330 or split == max(allowed), (m, n, k, split)  # else as many as allowed

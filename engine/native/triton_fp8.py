@@ -34,6 +34,7 @@ from engine.native.fused_ops import FP8_MAX, GROUP, SMALL_ROWS, Quantized, pdl_e
 
 BLOCK_K = 128
 MAX_SPLIT = 16  # the most K splits a launch picks: the partial sums' traffic grows with them
+MIN_WALK = 8  # the fewest K blocks a split program walks: shorter walks are mostly their pipeline's start and end
 SUM_ROWS = 4  # rows of a tile per program of split-K's _sum_planes
 
 
@@ -154,13 +155,17 @@ def fp8_block_gemm(x: torch.Tensor | Quantized, w: torch.Tensor, s: torch.Tensor
 
 def k_splits(m: int, kp: int, tiles: int, sms: int) -> int:
     """The launch rule's K splits for ``m`` rows, K of ``kp``, ``tiles`` output tiles on ``sms`` SMs: the fewest that
-    divide the K blocks and make at least 2.5 programs an SM, at most MAX_SPLIT, and at most K / (16 m): split-K's
-    fp32 planes (splits x m x N x 4 bytes, written and read again) stay within a quarter of the weight's bytes.
-    Of llama3-8b's GEMMs the cap changes only o at 33-64 rows (4 splits, not 8): on the H100, o at 64 rows took 12.12
-    us at the 8 splits the programs alone asked for against 10.44 at 4 (bench/decode_launch_probe.py,
-    bench/results/gpu_h100_decode_launch.json); qkv's rule already gave 4, down's 7 (under its cap of 14)."""
+    divide the K blocks and make at least 2.5 programs an SM, at most MAX_SPLIT, at most K / (16 m): split-K's fp32
+    planes (splits x m x N x 4 bytes, written and read again) stay within a quarter of the weight's bytes, and at most
+    as many as leave each program MIN_WALK K blocks to walk.
+    Of llama3-8b's GEMMs the planes' cap changes only o at 33-64 rows (4 splits, not 8): on the H100, o at 64 rows took
+    12.12 us at the 8 splits the programs alone asked for against 10.44 at 4 (bench/decode_launch_probe.py,
+    bench/results/gpu_h100_decode_launch.json). The walk's cap gives o 4 splits at 1-32 rows too (8 asked for walks
+    of 4 blocks): 7.20 / 7.58 / 8.40 us at 1 / 16 / 32 rows against 7.56 / 8.21 / 9.05 on the H200, 8.67 / 9.09 /
+    9.77 against 9.13 / 9.81 / 10.35 on the H100 (gpu_decode_launch_s37.json, gpu_h100_decode_launch_small_rows.json);
+    the graphed decode step at batch 1 2.775 / 2.778 -> 2.742 / 2.742 ms on the H200. qkv's rule gives 4, down's 7."""
     k_blocks = kp // BLOCK_K
-    cap = max(1, kp // (16 * m))
+    cap = max(1, min(kp // (16 * m), k_blocks // MIN_WALK))
     splits = [k for k in range(1, min(k_blocks, MAX_SPLIT, cap) + 1) if k_blocks % k == 0]
     return next((k for k in splits if tiles * k >= 5 * sms // 2), splits[-1])
 
