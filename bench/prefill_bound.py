@@ -3,9 +3,10 @@
 The wave's first round is 32 prompts of 1,150 tokens arriving together, so its last first token cannot come before
 all 36,800 prompt tokens have gone through the model: its TTFT (the wave's p99: 128 requests, the first round's
 slowest) is at least those tokens' GEMM time. This probe times llama3-8b's four layer GEMMs at prefill sizes through
-what the engine uses there (cuBLAS' blockwise scaled_mm, the activations quantized by ``quantize_groups``), the same
-scaled_mm alone on quantized operands, cuBLAS' FP8 GEMM with one scale per tensor (no block scales: the device's FP8
-ceiling through cuBLAS) and a bf16 matmul, and turns each into the 32 layers' GEMM milliseconds for the first round.
+what the engine uses there, cuBLAS' blockwise scaled_mm: "engine" with ``quantize_groups`` before it (as o_proj's
+activations are quantized), "blockwise_alone" on operands already quantized (as the RMSNorm and SiLU kernels hand
+over the other GEMMs'). Then cuBLAS' FP8 GEMM with one scale per tensor (no block scales: the device's FP8 ceiling
+through cuBLAS) and a bf16 matmul. Each is turned into the 32 layers' GEMM milliseconds for the first round.
 
     PYTHONPATH=/tmp/site:$PWD python3 bench/prefill_bound.py --out $OUT/prefill_bound.json
 """
