@@ -35,9 +35,10 @@ import torch
 import triton
 import triton.language as tl
 
-from cache.checkpoint.schemes import FP8_BLOCK, FP8_MAX
 from engine.native.attention import StepBatch
 from engine.native.fused_ops import (
+    FP8_MAX,
+    GROUP,
     SMALL_ROWS,
     Quantized,
     pdl_enabled,
@@ -349,7 +350,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     )  # fmt: skip
     if splits == 1:
         return out.view(t, heads * d)
-    quantized = quantized_like(out.view(t, heads * d), t) if quantize_rows == t and d == FP8_BLOCK else None
+    quantized = quantized_like(out.view(t, heads * d), t) if quantize_rows == t and d == GROUP else None
     merged = quantized.q if quantized else out
     _merge_splits[(t, heads)](
         dest, merged, quantized.scale if quantized else merged, dest.stride(0), dest.stride(1), merged.stride(0),
