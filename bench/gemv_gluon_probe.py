@@ -1,0 +1,273 @@
+"""A warp-specialized block-FP8 GEMM for decode sizes in Gluon (Triton's explicit Hopper dialect), against the
+engine's Triton kernel (engine/native/triton_fp8.py): an experiment for issue 25's batch-1 and batch-64 steps.
+
+The engine's kernel streams llama3-8b's layer weights at ~3.5 TB/s at one row (gate_up 3.66, down 3.26, qkv and o
+2.2-2.8), and a plain wgmma chain in the same structure, without scales or split-K sums, at 3.73 (the twenty-second
+session's probe: bench/gemm_split_k_probe.py's noscale_noreduce). Triton's pipeliner issues each stage's loads from
+the warps that then wait for them and do the arithmetic, with four CTA barriers and a memory fence per K block. Here
+one warp only issues TMA loads, of the weight and the activation tiles, STAGES blocks ahead, into a ring of shared
+memory; four warps wait on each stage's barrier, run the stage's wgmma (weight rows as the MMA's 64-row side, the
+tokens as its N side, as the engine's swap-AB launch), scale it into the accumulator, and free the stage. The
+weight's first stages are requested before the wait for the kernel ahead (programmatic dependent launch; the weight
+never changes), the activations' after it. Split-K as the engine's: fp32 planes summed by its _sum_planes.
+
+Not run on a GPU yet (written in a session the device tool lent none): ``--compile-only`` compiles every launch for
+sm_90 on the CPU (Triton's compiler and ptxas, no GPU) and prints what each uses. On the device it checks each
+launch against the engine's kernel (bit for bit, and the relative error) and times both in CUDA graphs with the
+weights cycled past the L2, as bench/gemm_small_m.py does.
+
+    python bench/gemv_gluon_probe.py --compile-only                       # any machine with Triton 3.6+
+    PYTHONPATH=/tmp/site:$PWD python3 bench/gemv_gluon_probe.py --out $OUT/gemv_gluon.json   # on the device
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine.native.fused_ops import Quantized, pdl_enabled, sm_count
+from engine.native.triton_fp8 import BLOCK_K, SUM_ROWS, _sum_planes, fp8_block_gemm, k_splits, quantize_groups
+
+GEMMS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+BLOCK_N = 64  # weight rows a program: the wgmma's M side
+
+# A TMA load into shared memory: Triton 3.6 (the GPU image's) calls it async_copy_global_to_shared, 3.9 async_load.
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+
+@gluon.jit
+def _gdc_wait():
+    gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _gdc_launch_dependents():
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)  # fmt: skip
+
+
+@gluon.jit
+def _loader(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, k_begin, ITERS: gl.constexpr, USE_PDL: gl.constexpr):
+    """One warp: the weight and activation tiles of each K block by TMA, STAGES blocks ahead of the MMA warps."""
+    STAGES: gl.constexpr = w_smem.type.shape[0]
+    BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
+    TILE_BYTES: gl.constexpr = w_desc.block_type.nbytes + x_desc.block_type.nbytes
+    FIRST: gl.constexpr = STAGES if STAGES < ITERS else ITERS
+    for i in gl.static_range(FIRST):  # the weight never changes: requested before the wait for the kernel ahead
+        mbarrier.expect(ready.index(i), TILE_BYTES)
+        tma_load(w_desc, [off_n, k_begin + i * BLOCK_K], ready.index(i), w_smem.index(i))
+    if USE_PDL:
+        _gdc_wait()
+    for i in gl.static_range(FIRST):
+        tma_load(x_desc, [0, k_begin + i * BLOCK_K], ready.index(i), x_smem.index(i))
+    for it in range(FIRST, ITERS):
+        s = it % STAGES
+        mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # the MMA of block it - STAGES has read the stage
+        mbarrier.expect(ready.index(s), TILE_BYTES)
+        tma_load(w_desc, [off_n, k_begin + it * BLOCK_K], ready.index(s), w_smem.index(s))
+        tma_load(x_desc, [0, k_begin + it * BLOCK_K], ready.index(s), x_smem.index(s))
+
+
+@gluon.jit
+def _mma(xs_ptr, s_ptr, out_ptr, part_ptr, M, stride_xs, stride_sn, stride_om, w_smem, x_smem, ready, empty,
+         off_n, k_begin, ITERS: gl.constexpr, SPLITS: gl.constexpr, USE_PDL: gl.constexpr,
+         num_warps: gl.constexpr):  # fmt: skip
+    """The MMA warps: each K block's product, scaled by the weight block's and the tokens' scales, added into the
+    accumulator in K order (the engine kernel's arithmetic); then the output, or split-K's plane."""
+    STAGES: gl.constexpr = w_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = w_smem.type.shape[1]
+    BLOCK_K: gl.constexpr = w_smem.type.shape[2]
+    BLOCK_M: gl.constexpr = x_smem.type.shape[1]
+    if USE_PDL:  # the activations' scales come from the kernel ahead
+        _gdc_wait()
+        _gdc_launch_dependents()
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                     instr_shape=[16, BLOCK_M, 32])  # fmt: skip
+    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, layout))
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout)
+    for it in range(ITERS):
+        s = it % STAGES
+        kb = k_begin // BLOCK_K + it
+        w_scale = gl.load(s_ptr + (off_n // 128) * stride_sn + kb)
+        x_scale = gl.load(xs_ptr + kb * stride_xs + rows, mask=rows < M, other=0.0)
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        part = warpgroup_mma(w_smem.index(s), x_smem.index(s).permute((1, 0)), acc, use_acc=False, is_async=True)
+        part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+        mbarrier.arrive(empty.index(s), count=1)
+        acc += part * w_scale * x_scale[None, :]
+    if SPLITS == 1:
+        gl.store(out_ptr + rows[None, :] * stride_om + (off_n + cols)[:, None], acc.to(out_ptr.dtype.element_ty),
+                 mask=(rows < M)[None, :])  # fmt: skip
+    else:  # the plane layout of engine/native/triton_fp8.py's _plane_offsets (one row tile), read by _sum_planes
+        plane = gl.num_programs(0) * BLOCK_M * BLOCK_N
+        tile = gl.program_id(0) * BLOCK_M * BLOCK_N
+        gl.store(part_ptr + gl.program_id(1) * plane + tile + rows[None, :] * BLOCK_N + cols[:, None], acc,
+                 mask=(rows < M)[None, :])  # fmt: skip
+
+
+@gluon.jit
+def _gemv_kernel(w_desc, x_desc, xs_ptr, s_ptr, out_ptr, part_ptr, M, stride_xs, stride_sn, stride_om,
+                 SPLITS: gl.constexpr, K_PER_SPLIT: gl.constexpr, STAGES: gl.constexpr, USE_PDL: gl.constexpr,
+                 num_warps: gl.constexpr):  # fmt: skip
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
+    BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+    ITERS: gl.constexpr = K_PER_SPLIT // BLOCK_K
+    off_n = gl.program_id(0) * BLOCK_N
+    k_begin = gl.program_id(1) * K_PER_SPLIT
+    w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+    x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    gl.warp_specialize([
+        (_mma, (xs_ptr, s_ptr, out_ptr, part_ptr, M, stride_xs, stride_sn, stride_om, w_smem, x_smem, ready, empty,
+                off_n, k_begin, ITERS, SPLITS, USE_PDL, num_warps)),
+        (_loader, (w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, k_begin, ITERS, USE_PDL)),
+    ], [1], [40])  # fmt: skip
+
+
+def descriptors(xq: torch.Tensor, w: torch.Tensor, block_m: int) -> tuple:
+    """Host-made TMA descriptors of the weight [N, K] (64 x 128 tiles) and the activations [R, K] (block_m x 128;
+    rows past R come in as zeros)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    w_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.float8e4nv)
+    x_layout = gl.NVMMASharedLayout.get_default_for([block_m, BLOCK_K], gl.float8e4nv)
+    return (TensorDescriptor(w, list(w.shape), list(w.stride()), [BLOCK_N, BLOCK_K], w_layout),
+            TensorDescriptor(xq, list(xq.shape), list(xq.stride()), [block_m, BLOCK_K], x_layout))  # fmt: skip
+
+
+def gluon_gemm(x: Quantized, w: torch.Tensor, s: torch.Tensor, split_k: int | None = None, stages: int = 8,
+               maxnreg: int = 80) -> torch.Tensor:  # fmt: skip
+    """x (quantized, M <= 64 rows) @ w.T with block scales -> [M, N] in x's dtype; splits as the engine's rule."""
+    xq, xs, dtype, m = x
+    if m > 64:
+        raise ValueError(f"{m} rows: this kernel takes one row tile of at most 64")
+    kp, n = xq.shape[1], w.shape[0]
+    block_m = min(64, max(16, triton.next_power_of_2(m)))
+    tiles = n // BLOCK_N
+    split_k = split_k or k_splits(m, kp, tiles, sm_count(xq.device))
+    out = torch.empty(m, n, dtype=dtype, device=xq.device)
+    part = torch.empty(split_k * tiles * block_m * BLOCK_N if split_k > 1 else 1, dtype=torch.float32,
+                       device=xq.device)  # fmt: skip
+    w_desc, x_desc = descriptors(xq, w, block_m)
+    pdl = pdl_enabled(xq.device)
+    _gemv_kernel[(tiles, split_k)](
+        w_desc, x_desc, xs, s, out, part, m, xs.stride(1), s.stride(0), out.stride(0), SPLITS=split_k,
+        K_PER_SPLIT=kp // split_k, STAGES=stages, USE_PDL=pdl, num_warps=4, maxnreg=maxnreg, launch_pdl=pdl,
+    )  # fmt: skip
+    if split_k > 1:
+        _sum_planes[(tiles, 1, block_m // SUM_ROWS)](
+            part, out, m, out.stride(0), SPLITS=split_k, BLOCK_M=block_m, BLOCK_N=BLOCK_N, ROWS=SUM_ROWS, USE_PDL=pdl,
+            num_warps=4, launch_pdl=pdl,
+        )  # fmt: skip
+    return out
+
+
+def compile_only(rows: list[int], stages: list[int], maxnregs: list[int]) -> list[dict[str, object]]:
+    """Every launch compiled for sm_90 on this machine (no GPU): registers, spills, shared memory."""
+    import subprocess
+    import tempfile
+
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    names = list(_gemv_kernel.arg_names)
+    out = []
+    for (name, (n, k)), m, st, reg in itertools.product(GEMMS.items(), rows, stages, maxnregs):
+        block_m = min(64, max(16, triton.next_power_of_2(m)))
+        splits = k_splits(m, k, n // BLOCK_N, 132)
+        w_desc, x_desc = descriptors(torch.empty(m, k, dtype=torch.float8_e4m3fn),
+                                     torch.empty(n, k, dtype=torch.float8_e4m3fn), block_m)  # fmt: skip
+        signature = {a: "constexpr" for a in names}
+        signature.update(w_desc=mangle_type(w_desc), x_desc=mangle_type(x_desc), xs_ptr="*fp32", s_ptr="*fp32",
+                         out_ptr="*bf16", part_ptr="*fp32", M="i32", stride_xs="i32", stride_sn="i32",
+                         stride_om="i32")  # fmt: skip
+        constants = {(names.index(a),): v for a, v in
+                     {"SPLITS": splits, "K_PER_SPLIT": k // splits, "STAGES": st, "USE_PDL": True,
+                      "num_warps": 4}.items()}  # fmt: skip
+        binary = triton.compile(GluonASTSource(_gemv_kernel, signature, constants),
+                                target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": reg})  # fmt: skip
+        with tempfile.TemporaryDirectory() as tmp:
+            cubin = Path(tmp) / "kernel.cubin"
+            cubin.write_bytes(binary.asm["cubin"])
+            usage = subprocess.run([str(tool), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
+        regs = usage.split("REG:")[1].split()[0]
+        local = usage.split("LOCAL:")[1].split()[0]
+        row = {"gemm": name, "m": m, "splits": splits, "stages": st, "maxnreg": reg, "registers": int(regs),
+               "spilled": int(local), "shared": binary.metadata.shared}  # fmt: skip
+        out.append(row)
+        print(json.dumps(row), flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--rows", default="1,16,64")
+    parser.add_argument("--stages", default="4,6,8,10")
+    parser.add_argument("--maxnreg", default="80", help="registers a thread of the kernel's warps at most")
+    parser.add_argument("--compile-only", action="store_true", help="compile for sm_90 and report (no GPU needed)")
+    args = parser.parse_args()
+    rows, stages = [int(r) for r in args.rows.split(",")], [int(s) for s in args.stages.split(",")]
+    maxnregs = [int(r) for r in args.maxnreg.split(",")]
+    began = time.perf_counter()
+    if args.compile_only:
+        result: dict[str, object] = {"triton": triton.__version__, "target": "sm_90",
+                                     "launches": compile_only(rows, stages, maxnregs)}  # fmt: skip
+    else:
+        from bench.gemm_small_m import timed_us, weight_copies
+
+        torch.manual_seed(0)
+        found = []
+        for name, (n, k) in GEMMS.items():
+            copies = weight_copies(n, k)
+            for m in rows:
+                values = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                x = Quantized(*quantize_groups(values, m), values.dtype, m)  # as the norms hand it over
+                ref = fp8_block_gemm(x, *copies[0])
+                engine_us = timed_us(lambda x, w, s: fp8_block_gemm(x, w, s), copies, x)
+                found.append({"gemm": name, "m": m, "variant": "engine", "us": round(engine_us, 2)})
+                print(json.dumps(found[-1]), flush=True)
+                for st, reg in itertools.product(stages, maxnregs):
+                    fn = lambda x, w, s, st=st, reg=reg: gluon_gemm(x, w, s, stages=st, maxnreg=reg)  # noqa: E731
+                    row: dict[str, object] = {"gemm": name, "m": m, "variant": f"gluon s{st} r{reg}"}
+                    try:
+                        got = fn(x, *copies[0])
+                        row.update(same_as_engine=bool(torch.equal(got, ref)),
+                                   rel_err=round(((got.float() - ref.float()).norm() / ref.float().norm()).item(), 6),
+                                   us=round(timed_us(fn, copies, x), 2))  # fmt: skip
+                    except Exception as exc:  # a launch that does not fit: recorded, the sweep goes on
+                        row["error"] = str(exc)[:300]
+                    found.append(row)
+                    print(json.dumps(row), flush=True)
+            del copies
+            torch.cuda.empty_cache()
+        result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                  "rows": found}  # fmt: skip
+    result["seconds"] = round(time.perf_counter() - began, 1)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
