@@ -147,9 +147,11 @@ import torch
 from engine.vllm import plugin
 seen = []
 real = torch._scaled_mm
-torch._scaled_mm = lambda *args, **kwargs: seen.append(torch._C._get_mkldnn_enabled()) or real(*args, **kwargs)
+record = lambda *args, **kwargs: seen.append(torch._C._get_mkldnn_enabled()) or real(*args, **kwargs)
+torch._scaled_mm = record
 plugin.cpu_scaled_mm_without_onednn()
 plugin.cpu_scaled_mm_without_onednn()
+assert torch._scaled_mm.__wrapped__ is record  # one wrapper
 a = (torch.randn(5, 256) / 4).to(torch.float8_e4m3fn)
 b = (torch.randn(384, 256) / 4).to(torch.float8_e4m3fn)
 one = torch.ones(1)

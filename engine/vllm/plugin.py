@@ -21,8 +21,8 @@ def cpu_scaled_mm_without_onednn() -> None:
     ``torch._scaled_mm``. On a CPU with AMX tiles but no AMX-FP8, torch hands that product to oneDNN, which took
     0.15-0.66 s for a 4-17 x 576 x 1536 one where torch's own path (oneDNN off: the operands dequantized, then
     multiplied) took 0.01-0.02 s, to the same values within 4e-6; on the FP8 per-channel demo a 4-token prompt's first
-    step went from 88 s to 4.0 s (docs/vllm.md). So CPU calls run with oneDNN off; others are untouched. Once per
-    process."""
+    step went from 88 s to 4.0 s (docs/vllm.md). So CPU calls run with oneDNN off (torch's flag is the process's:
+    vLLM's CPU engine runs its model on one thread); others are untouched. Once per process."""
     import torch
 
     original = torch._scaled_mm
