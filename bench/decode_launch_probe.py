@@ -23,33 +23,27 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.gemm_small_m import GEMMS, timed_us, weight_copies
+from bench.gemm_small_m import GEMMS, quantized_cases, timed_us
 from bench.gpu_step_profile import graphed_us
-from engine.native.fused_ops import Quantized, rope_kv_write, silu_mul
-from engine.native.triton_fp8 import BLOCK_K, MAX_SPLIT, fp8_block_gemm, quantize_groups
+from engine.native.fused_ops import rope_kv_write, silu_mul
+from engine.native.triton_fp8 import BLOCK_K, MAX_SPLIT, fp8_block_gemm
 
 HEADS, KV_HEADS, DIM, INTERMEDIATE = 32, 8, 128, 14336
 
 
 def gemm_rows(rows: list[int], out: list[dict[str, object]], warps: list[int]) -> None:
-    for name, (n, k) in GEMMS.items():
-        copies = weight_copies(n, k)
-        for m in rows:
-            values = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            x = Quantized(*quantize_groups(values, m), values.dtype, m)  # as the norms hand it over
-            ref = fp8_block_gemm(x, *copies[0])
-            splits = [None, *(s for s in range(1, MAX_SPLIT + 1) if (k // BLOCK_K) % s == 0)]
-            for split, w in itertools.product(splits, warps):
-                fn = lambda x, wt, s, split=split, w=w: fp8_block_gemm(x, wt, s, split_k=split, num_warps=w)  # noqa: E731
-                same = bool(torch.equal(fn(x, *copies[0]), ref)) if split is None else None
-                row = {"kernel": "gemm", "gemm": name, "m": m, "split": split or "rule", "warps": w,
-                       "us": round(timed_us(fn, copies, x), 2)}  # type: ignore[arg-type]  # fmt: skip
-                if same is not None:
-                    row["same_as_rule"] = same
-                out.append(row)
-                print(json.dumps(row), flush=True)
-        del copies
-        torch.cuda.empty_cache()
+    for name, m, x, ref, copies in quantized_cases(rows):
+        k = GEMMS[name][1]
+        splits = [None, *(s for s in range(1, MAX_SPLIT + 1) if (k // BLOCK_K) % s == 0)]
+        for split, w in itertools.product(splits, warps):
+            fn = lambda x, wt, s, split=split, w=w: fp8_block_gemm(x, wt, s, split_k=split, num_warps=w)  # noqa: E731
+            same = bool(torch.equal(fn(x, *copies[0]), ref)) if split is None else None
+            row = {"kernel": "gemm", "gemm": name, "m": m, "split": split or "rule", "warps": w,
+                   "us": round(timed_us(fn, copies, x), 2)}  # type: ignore[arg-type]  # fmt: skip
+            if same is not None:
+                row["same_as_rule"] = same
+            out.append(row)
+            print(json.dumps(row), flush=True)
 
 
 def small_kernels(rows: list[int], out: list[dict[str, object]]) -> None:

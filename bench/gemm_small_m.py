@@ -13,7 +13,7 @@ import itertools
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -22,6 +22,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.gpu_step_profile import graphed_us
+from engine.native.fused_ops import Quantized
 from engine.native.triton_fp8 import fp8_block_gemm, quantize_groups
 
 GEMMS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -44,6 +45,19 @@ def weight_copies(n: int, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [((torch.randn(n, k, device="cuda") / 4).to(torch.float8_e4m3fn),
              torch.rand(n // 128, k // 128, device="cuda") + 0.5)
             for _ in range(max(2, L2_BYTES // (n * k)))]  # fmt: skip
+
+
+def quantized_cases(rows: list[int]) -> Iterator[tuple[str, int, Quantized, torch.Tensor, list]]:
+    """Each layer GEMM at each row count: its name, the rows, random activations quantized as the norms hand them
+    to the GEMM, the engine kernel's output for them (the reference of a variant) and the weight copies."""
+    for name, (n, k) in GEMMS.items():
+        copies = weight_copies(n, k)
+        for m in rows:
+            values = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            x = Quantized(*quantize_groups(values, m), values.dtype, m)
+            yield name, m, x, fp8_block_gemm(x, *copies[0]), copies
+        del copies
+        torch.cuda.empty_cache()
 
 
 def timed_us(fn, copies: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor) -> float:

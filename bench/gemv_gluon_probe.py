@@ -37,10 +37,10 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.gemm_small_m import GEMMS, quantized_cases, timed_us
 from engine.native.fused_ops import Quantized, pdl_enabled, sm_count
-from engine.native.triton_fp8 import BLOCK_K, SUM_ROWS, _sum_planes, fp8_block_gemm, k_splits, quantize_groups
+from engine.native.triton_fp8 import BLOCK_K, SUM_ROWS, _sum_planes, fp8_block_gemm, k_splits
 
-GEMMS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 BLOCK_N = 64  # weight rows a program: the wgmma's M side
 
 # A TMA load into shared memory: Triton 3.6 (the GPU image's) calls it async_copy_global_to_shared, 3.9 async_load.
@@ -234,33 +234,24 @@ def main() -> None:
         result: dict[str, object] = {"triton": triton.__version__, "target": "sm_90",
                                      "launches": compile_only(rows, stages, maxnregs)}  # fmt: skip
     else:
-        from bench.gemm_small_m import timed_us, weight_copies
-
         torch.manual_seed(0)
         found = []
-        for name, (n, k) in GEMMS.items():
-            copies = weight_copies(n, k)
-            for m in rows:
-                values = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                x = Quantized(*quantize_groups(values, m), values.dtype, m)  # as the norms hand it over
-                ref = fp8_block_gemm(x, *copies[0])
-                engine_us = timed_us(lambda x, w, s: fp8_block_gemm(x, w, s), copies, x)
-                found.append({"gemm": name, "m": m, "variant": "engine", "us": round(engine_us, 2)})
-                print(json.dumps(found[-1]), flush=True)
-                for st, reg in itertools.product(stages, maxnregs):
-                    fn = lambda x, w, s, st=st, reg=reg: gluon_gemm(x, w, s, stages=st, maxnreg=reg)  # noqa: E731
-                    row: dict[str, object] = {"gemm": name, "m": m, "variant": f"gluon s{st} r{reg}"}
-                    try:
-                        got = fn(x, *copies[0])
-                        row.update(same_as_engine=bool(torch.equal(got, ref)),
-                                   rel_err=round(((got.float() - ref.float()).norm() / ref.float().norm()).item(), 6),
-                                   us=round(timed_us(fn, copies, x), 2))  # fmt: skip
-                    except Exception as exc:  # a launch that does not fit: recorded, the sweep goes on
-                        row["error"] = str(exc)[:300]
-                    found.append(row)
-                    print(json.dumps(row), flush=True)
-            del copies
-            torch.cuda.empty_cache()
+        for name, m, x, ref, copies in quantized_cases(rows):
+            engine_us = timed_us(lambda x, w, s: fp8_block_gemm(x, w, s), copies, x)  # type: ignore[arg-type]
+            found.append({"gemm": name, "m": m, "variant": "engine", "us": round(engine_us, 2)})
+            print(json.dumps(found[-1]), flush=True)
+            for st, reg in itertools.product(stages, maxnregs):
+                fn = lambda x, w, s, st=st, reg=reg: gluon_gemm(x, w, s, stages=st, maxnreg=reg)  # noqa: E731
+                row: dict[str, object] = {"gemm": name, "m": m, "variant": f"gluon s{st} r{reg}"}
+                try:
+                    got = fn(x, *copies[0])
+                    row.update(same_as_engine=bool(torch.equal(got, ref)),
+                               rel_err=round(((got.float() - ref.float()).norm() / ref.float().norm()).item(), 6),
+                               us=round(timed_us(fn, copies, x), 2))  # type: ignore[arg-type]  # fmt: skip
+                except Exception as exc:  # a launch that does not fit: recorded, the sweep goes on
+                    row["error"] = str(exc)[:300]
+                found.append(row)
+                print(json.dumps(row), flush=True)
         result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                   "rows": found}  # fmt: skip
     result["seconds"] = round(time.perf_counter() - began, 1)
