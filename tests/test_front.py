@@ -103,6 +103,12 @@ def test_a_drain_asked_of_one_front_is_the_engines(model: Path, tmp_path: Path) 
                         lines.append(line)
             return lines
 
+        # /health answers once one front serves; another may still run its warm-up requests (worker.warm_up),
+        # which count as in flight like any other: the streams start once none is.
+        deadline = time.monotonic() + 60
+        while (await clients[streams].get("/health")).json()["in_flight"]:
+            assert time.monotonic() < deadline, "a front's warm-up did not end"
+            await asyncio.sleep(0.01)
         tasks = [asyncio.create_task(stream(c)) for c in clients[:streams]]
         await asyncio.wait_for(started.wait(), 60)
         in_flight = (await clients[streams].get("/health")).json()["in_flight"]
