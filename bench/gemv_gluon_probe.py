@@ -180,7 +180,7 @@ def gluon_gemm(x: Quantized, w: torch.Tensor, s: torch.Tensor, split_k: int | No
     return out
 
 
-def compile_only(rows: list[int], stages: list[int], maxnregs: list[int]) -> list[dict[str, object]]:
+def compile_only(rows: list[int], stages: list[int], maxnregs: list[int], k_split: list[int]) -> list[dict]:
     """Every launch compiled for sm_90 on this machine (no GPU): registers, spills, shared memory."""
     import subprocess
     import tempfile
@@ -192,9 +192,11 @@ def compile_only(rows: list[int], stages: list[int], maxnregs: list[int]) -> lis
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     names = list(_gemv_kernel.arg_names)
     out = []
-    for (name, (n, k)), m, st, reg in itertools.product(GEMMS.items(), rows, stages, maxnregs):
+    for (name, (n, k)), m, st, reg, sp in itertools.product(GEMMS.items(), rows, stages, maxnregs, k_split):
+        if sp and (k // BLOCK_K) % sp:
+            continue
         block_m = min(64, max(16, triton.next_power_of_2(m)))
-        splits = k_splits(m, k, n // BLOCK_N, 132)
+        splits = sp or k_splits(m, k, n // BLOCK_N, 132)
         w_desc, x_desc = descriptors(torch.empty(m, k, dtype=torch.float8_e4m3fn),
                                      torch.empty(n, k, dtype=torch.float8_e4m3fn), block_m)  # fmt: skip
         signature = {a: "constexpr" for a in names}
@@ -225,29 +227,39 @@ def main() -> None:
     parser.add_argument("--rows", default="1,16,64")
     parser.add_argument("--stages", default="4,6,8,10")
     parser.add_argument("--maxnreg", default="80", help="registers a thread of the kernel's warps at most")
+    parser.add_argument("--splits", default="rule", help="K splits: 'rule' (k_splits') or counts dividing K")
+    parser.add_argument("--gemms", default="", help="only these of qkv,o,gate_up,down")
     parser.add_argument("--compile-only", action="store_true", help="compile for sm_90 and report (no GPU needed)")
     args = parser.parse_args()
     rows, stages = [int(r) for r in args.rows.split(",")], [int(s) for s in args.stages.split(",")]
     maxnregs = [int(r) for r in args.maxnreg.split(",")]
+    splits = [0 if v == "rule" else int(v) for v in args.splits.split(",")]  # 0: the rule's
     began = time.perf_counter()
     if args.compile_only:
         result: dict[str, object] = {"triton": triton.__version__, "target": "sm_90",
-                                     "launches": compile_only(rows, stages, maxnregs)}  # fmt: skip
+                                     "launches": compile_only(rows, stages, maxnregs, splits)}  # fmt: skip
     else:
         torch.manual_seed(0)
         found = []
-        for name, m, x, ref, copies in quantized_cases(rows):
+        for name, m, x, ref, copies in quantized_cases(rows, args.gemms.split(",") if args.gemms else None):
             engine_us = timed_us(lambda x, w, s: fp8_block_gemm(x, w, s), copies, x)  # type: ignore[arg-type]
-            found.append({"gemm": name, "m": m, "variant": "engine", "us": round(engine_us, 2)})
+            found.append({"gemm": name, "m": m, "variant": "engine", "us": round(engine_us, 2),
+                          "tb_s": round(GEMMS[name][0] * GEMMS[name][1] / engine_us / 1e6, 3)})  # fmt: skip
             print(json.dumps(found[-1]), flush=True)
-            for st, reg in itertools.product(stages, maxnregs):
-                fn = lambda x, w, s, st=st, reg=reg: gluon_gemm(x, w, s, stages=st, maxnreg=reg)  # noqa: E731
-                row: dict[str, object] = {"gemm": name, "m": m, "variant": f"gluon s{st} r{reg}"}
+            n, k = GEMMS[name]
+            rule = k_splits(m, k, n // BLOCK_N, sm_count(x.q.device))
+            for st, reg, sp in itertools.product(stages, maxnregs, splits):
+                if sp and ((k // BLOCK_K) % sp or sp == rule):  # not dividing K, or the rule's count again
+                    continue
+                fn = lambda x, w, s, st=st, reg=reg, sp=sp: gluon_gemm(x, w, s, sp, st, reg)  # noqa: E731
+                label = f"gluon s{st} r{reg}" + (f" k{sp}" if sp else "")
+                row: dict[str, object] = {"gemm": name, "m": m, "variant": label}
                 try:
                     got = fn(x, *copies[0])
                     row.update(same_as_engine=bool(torch.equal(got, ref)),
                                rel_err=round(((got.float() - ref.float()).norm() / ref.float().norm()).item(), 6),
-                               us=round(timed_us(fn, copies, x), 2))  # type: ignore[arg-type]  # fmt: skip
+                               us=round(us := timed_us(fn, copies, x), 2),  # type: ignore[arg-type]
+                               tb_s=round(GEMMS[name][0] * GEMMS[name][1] / us / 1e6, 3))  # fmt: skip
                 except Exception as exc:  # a launch that does not fit: recorded, the sweep goes on
                     row["error"] = str(exc)[:300]
                 found.append(row)
