@@ -11,10 +11,15 @@ tokens as its N side, as the engine's swap-AB launch), scale it into the accumul
 weight's first stages are requested before the wait for the kernel ahead (programmatic dependent launch; the weight
 never changes), the activations' after it. Split-K as the engine's: fp32 planes summed by its _sum_planes.
 
-Not run on a GPU yet (written in a session the device tool lent none): ``--compile-only`` compiles every launch for
-sm_90 on the CPU (Triton's compiler and ptxas, no GPU) and prints what each uses. On the device it checks each
-launch against the engine's kernel (bit for bit, and the relative error) and times both in CUDA graphs with the
-weights cycled past the L2, as bench/gemm_small_m.py does.
+On the H200 (thirty-ninth session, bench/results/gpu_gemv_gluon_probe.json) it equals the engine's kernel bit for bit
+at the engine's K splits, and is no faster but for gate_up at one row (29.5 us at 8 stages against 33.8): a long walk
+of K blocks streams well, many short split programs and deep rings at 64 rows (fewer programs an SM) do not. The
+persistent kind (_persistent_kernel: one program an SM walking several (tile, split) items through one ring that
+does not drain between them) is the next try; compiled for sm_90, not yet run.
+
+``--compile-only`` compiles every launch for sm_90 on the CPU (Triton's compiler and ptxas, no GPU) and prints what
+each uses. On the device it checks each launch against the engine's kernel (bit for bit, and the relative error) and
+times both in CUDA graphs with the weights cycled past the L2, as bench/gemm_small_m.py does.
 
     python bench/gemv_gluon_probe.py --compile-only                       # any machine with Triton 3.6+
     PYTHONPATH=/tmp/site:$PWD python3 bench/gemv_gluon_probe.py --out $OUT/gemv_gluon.json   # on the device
@@ -142,6 +147,113 @@ def _gemv_kernel(w_desc, x_desc, xs_ptr, s_ptr, out_ptr, part_ptr, M, stride_xs,
     ], [1], [40])  # fmt: skip
 
 
+@gluon.jit
+def _persistent_loader(w_desc, x_desc, w_smem, x_smem, ready, empty, ITEMS, ITERS: gl.constexpr,
+                       K_PER_SPLIT: gl.constexpr, SPLITS: gl.constexpr, USE_PDL: gl.constexpr):  # fmt: skip
+    """One warp: the tiles of every K block of this program's items (tile, split), one after another through one
+    ring, so that it never drains between items."""
+    STAGES: gl.constexpr = w_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
+    TILE_BYTES: gl.constexpr = w_desc.block_type.nbytes + x_desc.block_type.nbytes
+    FIRST: gl.constexpr = STAGES if STAGES < ITERS else ITERS
+    pid = gl.program_id(0)
+    first_n = (pid // SPLITS) * BLOCK_N
+    first_k = (pid % SPLITS) * K_PER_SPLIT
+    for i in gl.static_range(FIRST):  # the first item's weight tiles before the wait for the kernel ahead
+        mbarrier.expect(ready.index(i), TILE_BYTES)
+        tma_load(w_desc, [first_n, first_k + i * BLOCK_K], ready.index(i), w_smem.index(i))
+    if USE_PDL:
+        _gdc_wait()
+    for i in gl.static_range(FIRST):
+        tma_load(x_desc, [0, first_k + i * BLOCK_K], ready.index(i), x_smem.index(i))
+    c = 0
+    for item in range(pid, ITEMS, gl.num_programs(0)):
+        off_n = (item // SPLITS) * BLOCK_N
+        k_begin = (item % SPLITS) * K_PER_SPLIT
+        for it in range(ITERS):
+            if c >= FIRST:
+                s = c % STAGES
+                mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
+                mbarrier.expect(ready.index(s), TILE_BYTES)
+                tma_load(w_desc, [off_n, k_begin + it * BLOCK_K], ready.index(s), w_smem.index(s))
+                tma_load(x_desc, [0, k_begin + it * BLOCK_K], ready.index(s), x_smem.index(s))
+            c += 1
+
+
+@gluon.jit
+def _persistent_mma(xs_ptr, s_ptr, out_ptr, part_ptr, M, stride_xs, stride_sn, stride_om, w_smem, x_smem, ready,
+                    empty, ITEMS, ITERS: gl.constexpr, SPLITS: gl.constexpr, USE_PDL: gl.constexpr,
+                    num_warps: gl.constexpr):  # fmt: skip
+    """_mma's arithmetic for each of this program's items in turn: an item's K blocks in order, then its output or
+    split-K plane (the planes' layout as the engine's, one row tile)."""
+    STAGES: gl.constexpr = w_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = w_smem.type.shape[1]
+    BLOCK_M: gl.constexpr = x_smem.type.shape[1]
+    if USE_PDL:
+        _gdc_wait()
+        _gdc_launch_dependents()
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                     instr_shape=[16, BLOCK_M, 32])  # fmt: skip
+    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, layout))
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+    plane = (ITEMS // SPLITS) * BLOCK_M * BLOCK_N
+    c = 0
+    for item in range(gl.program_id(0), ITEMS, gl.num_programs(0)):
+        tile = item // SPLITS
+        split = item % SPLITS
+        off_n = tile * BLOCK_N
+        acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout)
+        for it in range(ITERS):
+            s = c % STAGES
+            kb = split * ITERS + it
+            w_scale = gl.load(s_ptr + (off_n // 128) * stride_sn + kb)
+            x_scale = gl.load(xs_ptr + kb * stride_xs + rows, mask=rows < M, other=0.0)
+            mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+            part = warpgroup_mma(w_smem.index(s), x_smem.index(s).permute((1, 0)), acc, use_acc=False,
+                                 is_async=True)  # fmt: skip
+            part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+            mbarrier.arrive(empty.index(s), count=1)
+            acc += part * w_scale * x_scale[None, :]
+            c += 1
+        if SPLITS == 1:
+            gl.store(out_ptr + rows[None, :] * stride_om + (off_n + cols)[:, None],
+                     acc.to(out_ptr.dtype.element_ty), mask=(rows < M)[None, :])  # fmt: skip
+        else:
+            gl.store(part_ptr + split * plane + tile * BLOCK_M * BLOCK_N + rows[None, :] * BLOCK_N + cols[:, None],
+                     acc, mask=(rows < M)[None, :])  # fmt: skip
+
+
+@gluon.jit
+def _persistent_kernel(w_desc, x_desc, xs_ptr, s_ptr, out_ptr, part_ptr, M, stride_xs, stride_sn, stride_om, ITEMS,
+                       SPLITS: gl.constexpr, K_PER_SPLIT: gl.constexpr, STAGES: gl.constexpr,
+                       USE_PDL: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+    """_gemv_kernel made persistent: a grid of at most one program an SM, each walking the (tile, split) items
+    pid, pid + programs, ... with one ring of stages."""
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
+    BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+    ITERS: gl.constexpr = K_PER_SPLIT // BLOCK_K
+    w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+    x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    gl.warp_specialize([
+        (_persistent_mma, (xs_ptr, s_ptr, out_ptr, part_ptr, M, stride_xs, stride_sn, stride_om, w_smem, x_smem,
+                           ready, empty, ITEMS, ITERS, SPLITS, USE_PDL, num_warps)),
+        (_persistent_loader, (w_desc, x_desc, w_smem, x_smem, ready, empty, ITEMS, ITERS, K_PER_SPLIT, SPLITS,
+                              USE_PDL)),
+    ], [1], [40])  # fmt: skip
+
+
+def persistent_programs(items: int, sms: int) -> int:
+    """The grid of the persistent kernel: the most programs, at most one an SM, that share the items evenly."""
+    return max(d for d in range(1, min(items, sms) + 1) if items % d == 0)
+
+
 def descriptors(xq: torch.Tensor, w: torch.Tensor, block_m: int) -> tuple:
     """Host-made TMA descriptors of the weight [N, K] (64 x 128 tiles) and the activations [R, K] (block_m x 128;
     rows past R come in as zeros)."""
@@ -154,8 +266,9 @@ def descriptors(xq: torch.Tensor, w: torch.Tensor, block_m: int) -> tuple:
 
 
 def gluon_gemm(x: Quantized, w: torch.Tensor, s: torch.Tensor, split_k: int | None = None, stages: int = 8,
-               maxnreg: int = 80) -> torch.Tensor:  # fmt: skip
-    """x (quantized, M <= 64 rows) @ w.T with block scales -> [M, N] in x's dtype; splits as the engine's rule."""
+               maxnreg: int = 80, persistent: bool = False) -> torch.Tensor:  # fmt: skip
+    """x (quantized, M <= 64 rows) @ w.T with block scales -> [M, N] in x's dtype; splits as the engine's rule
+    unless given; ``persistent``: through _persistent_kernel."""
     xq, xs, dtype, m = x
     if m > 64:
         raise ValueError(f"{m} rows: this kernel takes one row tile of at most 64")
@@ -168,10 +281,17 @@ def gluon_gemm(x: Quantized, w: torch.Tensor, s: torch.Tensor, split_k: int | No
                        device=xq.device)  # fmt: skip
     w_desc, x_desc = descriptors(xq, w, block_m)
     pdl = pdl_enabled(xq.device)
-    _gemv_kernel[(tiles, split_k)](
-        w_desc, x_desc, xs, s, out, part, m, xs.stride(1), s.stride(0), out.stride(0), SPLITS=split_k,
-        K_PER_SPLIT=kp // split_k, STAGES=stages, USE_PDL=pdl, num_warps=4, maxnreg=maxnreg, launch_pdl=pdl,
-    )  # fmt: skip
+    if persistent:
+        items = tiles * split_k
+        _persistent_kernel[(persistent_programs(items, sm_count(xq.device)),)](
+            w_desc, x_desc, xs, s, out, part, m, xs.stride(1), s.stride(0), out.stride(0), items, SPLITS=split_k,
+            K_PER_SPLIT=kp // split_k, STAGES=stages, USE_PDL=pdl, num_warps=4, maxnreg=maxnreg, launch_pdl=pdl,
+        )  # fmt: skip
+    else:
+        _gemv_kernel[(tiles, split_k)](
+            w_desc, x_desc, xs, s, out, part, m, xs.stride(1), s.stride(0), out.stride(0), SPLITS=split_k,
+            K_PER_SPLIT=kp // split_k, STAGES=stages, USE_PDL=pdl, num_warps=4, maxnreg=maxnreg, launch_pdl=pdl,
+        )  # fmt: skip
     if split_k > 1:
         _sum_planes[(tiles, 1, block_m // SUM_ROWS)](
             part, out, m, out.stride(0), SPLITS=split_k, BLOCK_M=block_m, BLOCK_N=BLOCK_N, ROWS=SUM_ROWS, USE_PDL=pdl,
@@ -180,7 +300,8 @@ def gluon_gemm(x: Quantized, w: torch.Tensor, s: torch.Tensor, split_k: int | No
     return out
 
 
-def compile_only(rows: list[int], stages: list[int], maxnregs: list[int], k_split: list[int]) -> list[dict]:
+def compile_only(rows: list[int], stages: list[int], maxnregs: list[int], k_split: list[int],
+                 kinds: list[str]) -> list[dict]:  # fmt: skip
     """Every launch compiled for sm_90 on this machine (no GPU): registers, spills, shared memory."""
     import subprocess
     import tempfile
@@ -190,9 +311,11 @@ def compile_only(rows: list[int], stages: list[int], maxnregs: list[int], k_spli
     from triton.runtime.jit import mangle_type
 
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    names = list(_gemv_kernel.arg_names)
     out = []
-    for (name, (n, k)), m, st, reg, sp in itertools.product(GEMMS.items(), rows, stages, maxnregs, k_split):
+    for kind, (name, (n, k)), m, st, reg, sp in itertools.product(kinds, GEMMS.items(), rows, stages, maxnregs,
+                                                                  k_split):  # fmt: skip
+        kernel = _persistent_kernel if kind == "persistent" else _gemv_kernel
+        names = list(kernel.arg_names)
         if sp and (k // BLOCK_K) % sp:
             continue
         block_m = min(64, max(16, triton.next_power_of_2(m)))
@@ -203,10 +326,12 @@ def compile_only(rows: list[int], stages: list[int], maxnregs: list[int], k_spli
         signature.update(w_desc=mangle_type(w_desc), x_desc=mangle_type(x_desc), xs_ptr="*fp32", s_ptr="*fp32",
                          out_ptr="*bf16", part_ptr="*fp32", M="i32", stride_xs="i32", stride_sn="i32",
                          stride_om="i32")  # fmt: skip
+        if kind == "persistent":
+            signature["ITEMS"] = "i32"
         constants = {(names.index(a),): v for a, v in
                      {"SPLITS": splits, "K_PER_SPLIT": k // splits, "STAGES": st, "USE_PDL": True,
                       "num_warps": 4}.items()}  # fmt: skip
-        binary = triton.compile(GluonASTSource(_gemv_kernel, signature, constants),
+        binary = triton.compile(GluonASTSource(kernel, signature, constants),
                                 target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": reg})  # fmt: skip
         with tempfile.TemporaryDirectory() as tmp:
             cubin = Path(tmp) / "kernel.cubin"
@@ -214,8 +339,8 @@ def compile_only(rows: list[int], stages: list[int], maxnregs: list[int], k_spli
             usage = subprocess.run([str(tool), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
         regs = usage.split("REG:")[1].split()[0]
         local = usage.split("LOCAL:")[1].split()[0]
-        row = {"gemm": name, "m": m, "splits": splits, "stages": st, "maxnreg": reg, "registers": int(regs),
-               "spilled": int(local), "shared": binary.metadata.shared}  # fmt: skip
+        row = {"kind": kind, "gemm": name, "m": m, "splits": splits, "stages": st, "maxnreg": reg,
+               "registers": int(regs), "spilled": int(local), "shared": binary.metadata.shared}  # fmt: skip
         out.append(row)
         print(json.dumps(row), flush=True)
     return out
@@ -229,15 +354,17 @@ def main() -> None:
     parser.add_argument("--maxnreg", default="80", help="registers a thread of the kernel's warps at most")
     parser.add_argument("--splits", default="rule", help="K splits: 'rule' (k_splits') or counts dividing K")
     parser.add_argument("--gemms", default="", help="only these of qkv,o,gate_up,down")
+    parser.add_argument("--kinds", default="ws,persistent", help="ws (a program a tile and split), persistent")
     parser.add_argument("--compile-only", action="store_true", help="compile for sm_90 and report (no GPU needed)")
     args = parser.parse_args()
     rows, stages = [int(r) for r in args.rows.split(",")], [int(s) for s in args.stages.split(",")]
     maxnregs = [int(r) for r in args.maxnreg.split(",")]
     splits = [0 if v == "rule" else int(v) for v in args.splits.split(",")]  # 0: the rule's
+    kinds = args.kinds.split(",")
     began = time.perf_counter()
     if args.compile_only:
         result: dict[str, object] = {"triton": triton.__version__, "target": "sm_90",
-                                     "launches": compile_only(rows, stages, maxnregs, splits)}  # fmt: skip
+                                     "launches": compile_only(rows, stages, maxnregs, splits, kinds)}  # fmt: skip
     else:
         torch.manual_seed(0)
         found = []
@@ -248,11 +375,12 @@ def main() -> None:
             print(json.dumps(found[-1]), flush=True)
             n, k = GEMMS[name]
             rule = k_splits(m, k, n // BLOCK_N, sm_count(x.q.device))
-            for st, reg, sp in itertools.product(stages, maxnregs, splits):
+            for kind, st, reg, sp in itertools.product(kinds, stages, maxnregs, splits):
                 if sp and ((k // BLOCK_K) % sp or sp == rule):  # not dividing K, or the rule's count again
                     continue
-                fn = lambda x, w, s, st=st, reg=reg, sp=sp: gluon_gemm(x, w, s, sp, st, reg)  # noqa: E731
-                label = f"gluon s{st} r{reg}" + (f" k{sp}" if sp else "")
+                persistent = kind == "persistent"
+                fn = lambda x, w, s, st=st, reg=reg, sp=sp, p=persistent: gluon_gemm(x, w, s, sp, st, reg, p)  # noqa: E731
+                label = ("persistent" if persistent else "gluon") + f" s{st} r{reg}" + (f" k{sp}" if sp else "")
                 row: dict[str, object] = {"gemm": name, "m": m, "variant": label}
                 try:
                     got = fn(x, *copies[0])
