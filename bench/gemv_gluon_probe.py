@@ -14,8 +14,9 @@ never changes), the activations' after it. Split-K as the engine's: fp32 planes 
 On the H200 (thirty-ninth session, bench/results/gpu_gemv_gluon_probe.json) it equals the engine's kernel bit for bit
 at the engine's K splits, and is no faster but for gate_up at one row (29.5 us at 8 stages against 33.8): a long walk
 of K blocks streams well, many short split programs and deep rings at 64 rows (fewer programs an SM) do not. The
-persistent kind (_persistent_kernel: one program an SM walking several (tile, split) items through one ring that
-does not drain between them) is the next try; compiled for sm_90, not yet run.
+persistent kind (a grid of at most one program an SM, each walking several (tile, split) items through one ring that
+does not drain between them) is the next try; compiled for sm_90, not yet run. Since then the kernel walks items in
+both kinds (the "ws" kind: one item a program; the split index now varies fastest over the programs).
 
 ``--compile-only`` compiles every launch for sm_90 on the CPU (Triton's compiler and ptxas, no GPU) and prints what
 each uses. On the device it checks each launch against the engine's kernel (bit for bit, and the relative error) and
@@ -64,92 +65,8 @@ def _gdc_launch_dependents():
 
 
 @gluon.jit
-def _loader(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, k_begin, ITERS: gl.constexpr, USE_PDL: gl.constexpr):
-    """One warp: the weight and activation tiles of each K block by TMA, STAGES blocks ahead of the MMA warps."""
-    STAGES: gl.constexpr = w_smem.type.shape[0]
-    BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
-    TILE_BYTES: gl.constexpr = w_desc.block_type.nbytes + x_desc.block_type.nbytes
-    FIRST: gl.constexpr = STAGES if STAGES < ITERS else ITERS
-    for i in gl.static_range(FIRST):  # the weight never changes: requested before the wait for the kernel ahead
-        mbarrier.expect(ready.index(i), TILE_BYTES)
-        tma_load(w_desc, [off_n, k_begin + i * BLOCK_K], ready.index(i), w_smem.index(i))
-    if USE_PDL:
-        _gdc_wait()
-    for i in gl.static_range(FIRST):
-        tma_load(x_desc, [0, k_begin + i * BLOCK_K], ready.index(i), x_smem.index(i))
-    for it in range(FIRST, ITERS):
-        s = it % STAGES
-        mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # the MMA of block it - STAGES has read the stage
-        mbarrier.expect(ready.index(s), TILE_BYTES)
-        tma_load(w_desc, [off_n, k_begin + it * BLOCK_K], ready.index(s), w_smem.index(s))
-        tma_load(x_desc, [0, k_begin + it * BLOCK_K], ready.index(s), x_smem.index(s))
-
-
-@gluon.jit
-def _mma(xs_ptr, s_ptr, out_ptr, part_ptr, M, stride_xs, stride_sn, stride_om, w_smem, x_smem, ready, empty,
-         off_n, k_begin, ITERS: gl.constexpr, SPLITS: gl.constexpr, USE_PDL: gl.constexpr,
-         num_warps: gl.constexpr):  # fmt: skip
-    """The MMA warps: each K block's product, scaled by the weight block's and the tokens' scales, added into the
-    accumulator in K order (the engine kernel's arithmetic); then the output, or split-K's plane."""
-    STAGES: gl.constexpr = w_smem.type.shape[0]
-    BLOCK_N: gl.constexpr = w_smem.type.shape[1]
-    BLOCK_K: gl.constexpr = w_smem.type.shape[2]
-    BLOCK_M: gl.constexpr = x_smem.type.shape[1]
-    if USE_PDL:  # the activations' scales come from the kernel ahead
-        _gdc_wait()
-        _gdc_launch_dependents()
-    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                     instr_shape=[16, BLOCK_M, 32])  # fmt: skip
-    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, layout))
-    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
-    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout)
-    for it in range(ITERS):
-        s = it % STAGES
-        kb = k_begin // BLOCK_K + it
-        w_scale = gl.load(s_ptr + (off_n // 128) * stride_sn + kb)
-        x_scale = gl.load(xs_ptr + kb * stride_xs + rows, mask=rows < M, other=0.0)
-        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-        part = warpgroup_mma(w_smem.index(s), x_smem.index(s).permute((1, 0)), acc, use_acc=False, is_async=True)
-        part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-        mbarrier.arrive(empty.index(s), count=1)
-        acc += part * w_scale * x_scale[None, :]
-    if SPLITS == 1:
-        gl.store(out_ptr + rows[None, :] * stride_om + (off_n + cols)[:, None], acc.to(out_ptr.dtype.element_ty),
-                 mask=(rows < M)[None, :])  # fmt: skip
-    else:  # the plane layout of engine/native/triton_fp8.py's _plane_offsets (one row tile), read by _sum_planes
-        plane = gl.num_programs(0) * BLOCK_M * BLOCK_N
-        tile = gl.program_id(0) * BLOCK_M * BLOCK_N
-        gl.store(part_ptr + gl.program_id(1) * plane + tile + rows[None, :] * BLOCK_N + cols[:, None], acc,
-                 mask=(rows < M)[None, :])  # fmt: skip
-
-
-@gluon.jit
-def _gemv_kernel(w_desc, x_desc, xs_ptr, s_ptr, out_ptr, part_ptr, M, stride_xs, stride_sn, stride_om,
-                 SPLITS: gl.constexpr, K_PER_SPLIT: gl.constexpr, STAGES: gl.constexpr, USE_PDL: gl.constexpr,
-                 num_warps: gl.constexpr):  # fmt: skip
-    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
-    BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
-    BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
-    ITERS: gl.constexpr = K_PER_SPLIT // BLOCK_K
-    off_n = gl.program_id(0) * BLOCK_N
-    k_begin = gl.program_id(1) * K_PER_SPLIT
-    w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
-    x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    gl.warp_specialize([
-        (_mma, (xs_ptr, s_ptr, out_ptr, part_ptr, M, stride_xs, stride_sn, stride_om, w_smem, x_smem, ready, empty,
-                off_n, k_begin, ITERS, SPLITS, USE_PDL, num_warps)),
-        (_loader, (w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, k_begin, ITERS, USE_PDL)),
-    ], [1], [40])  # fmt: skip
-
-
-@gluon.jit
-def _persistent_loader(w_desc, x_desc, w_smem, x_smem, ready, empty, ITEMS, ITERS: gl.constexpr,
-                       K_PER_SPLIT: gl.constexpr, SPLITS: gl.constexpr, USE_PDL: gl.constexpr):  # fmt: skip
+def _loader(w_desc, x_desc, w_smem, x_smem, ready, empty, ITEMS, ITERS: gl.constexpr, K_PER_SPLIT: gl.constexpr,
+            SPLITS: gl.constexpr, USE_PDL: gl.constexpr):  # fmt: skip
     """One warp: the tiles of every K block of this program's items (tile, split), one after another through one
     ring, so that it never drains between items."""
     STAGES: gl.constexpr = w_smem.type.shape[0]
@@ -174,7 +91,7 @@ def _persistent_loader(w_desc, x_desc, w_smem, x_smem, ready, empty, ITEMS, ITER
         for it in range(ITERS):
             if c >= FIRST:
                 s = c % STAGES
-                mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
+                mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)  # the MMA of load c - STAGES read it
                 mbarrier.expect(ready.index(s), TILE_BYTES)
                 tma_load(w_desc, [off_n, k_begin + it * BLOCK_K], ready.index(s), w_smem.index(s))
                 tma_load(x_desc, [0, k_begin + it * BLOCK_K], ready.index(s), x_smem.index(s))
@@ -182,15 +99,16 @@ def _persistent_loader(w_desc, x_desc, w_smem, x_smem, ready, empty, ITEMS, ITER
 
 
 @gluon.jit
-def _persistent_mma(xs_ptr, s_ptr, out_ptr, part_ptr, M, stride_xs, stride_sn, stride_om, w_smem, x_smem, ready,
-                    empty, ITEMS, ITERS: gl.constexpr, SPLITS: gl.constexpr, USE_PDL: gl.constexpr,
-                    num_warps: gl.constexpr):  # fmt: skip
-    """_mma's arithmetic for each of this program's items in turn: an item's K blocks in order, then its output or
-    split-K plane (the planes' layout as the engine's, one row tile)."""
+def _mma(xs_ptr, s_ptr, out_ptr, part_ptr, M, stride_xs, stride_sn, stride_om, w_smem, x_smem, ready, empty, ITEMS,
+         ITERS: gl.constexpr, SPLITS: gl.constexpr, USE_PDL: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+    """The MMA warps, for each of this program's items in turn: each K block's product, scaled by the weight
+    block's and the tokens' scales, added into the accumulator in K order (the engine kernel's arithmetic); then the
+    item's output, or its split-K plane (the layout of engine/native/triton_fp8.py's _plane_offsets, one row tile,
+    read by _sum_planes)."""
     STAGES: gl.constexpr = w_smem.type.shape[0]
     BLOCK_N: gl.constexpr = w_smem.type.shape[1]
     BLOCK_M: gl.constexpr = x_smem.type.shape[1]
-    if USE_PDL:
+    if USE_PDL:  # the activations' scales come from the kernel ahead
         _gdc_wait()
         _gdc_launch_dependents()
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -225,11 +143,11 @@ def _persistent_mma(xs_ptr, s_ptr, out_ptr, part_ptr, M, stride_xs, stride_sn, s
 
 
 @gluon.jit
-def _persistent_kernel(w_desc, x_desc, xs_ptr, s_ptr, out_ptr, part_ptr, M, stride_xs, stride_sn, stride_om, ITEMS,
-                       SPLITS: gl.constexpr, K_PER_SPLIT: gl.constexpr, STAGES: gl.constexpr,
-                       USE_PDL: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
-    """_gemv_kernel made persistent: a grid of at most one program an SM, each walking the (tile, split) items
-    pid, pid + programs, ... with one ring of stages."""
+def _gemv_kernel(w_desc, x_desc, xs_ptr, s_ptr, out_ptr, part_ptr, M, stride_xs, stride_sn, stride_om, ITEMS,
+                 SPLITS: gl.constexpr, K_PER_SPLIT: gl.constexpr, STAGES: gl.constexpr, USE_PDL: gl.constexpr,
+                 num_warps: gl.constexpr):  # fmt: skip
+    """Each program walks the (tile, split) items pid, pid + programs, ... through one ring of stages: one item a
+    program (a grid of all items), or persistent (at most one program an SM: persistent_programs)."""
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
@@ -242,10 +160,9 @@ def _persistent_kernel(w_desc, x_desc, xs_ptr, s_ptr, out_ptr, part_ptr, M, stri
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
     gl.warp_specialize([
-        (_persistent_mma, (xs_ptr, s_ptr, out_ptr, part_ptr, M, stride_xs, stride_sn, stride_om, w_smem, x_smem,
-                           ready, empty, ITEMS, ITERS, SPLITS, USE_PDL, num_warps)),
-        (_persistent_loader, (w_desc, x_desc, w_smem, x_smem, ready, empty, ITEMS, ITERS, K_PER_SPLIT, SPLITS,
-                              USE_PDL)),
+        (_mma, (xs_ptr, s_ptr, out_ptr, part_ptr, M, stride_xs, stride_sn, stride_om, w_smem, x_smem, ready, empty,
+                ITEMS, ITERS, SPLITS, USE_PDL, num_warps)),
+        (_loader, (w_desc, x_desc, w_smem, x_smem, ready, empty, ITEMS, ITERS, K_PER_SPLIT, SPLITS, USE_PDL)),
     ], [1], [40])  # fmt: skip
 
 
@@ -268,7 +185,7 @@ def descriptors(xq: torch.Tensor, w: torch.Tensor, block_m: int) -> tuple:
 def gluon_gemm(x: Quantized, w: torch.Tensor, s: torch.Tensor, split_k: int | None = None, stages: int = 8,
                maxnreg: int = 80, persistent: bool = False) -> torch.Tensor:  # fmt: skip
     """x (quantized, M <= 64 rows) @ w.T with block scales -> [M, N] in x's dtype; splits as the engine's rule
-    unless given; ``persistent``: through _persistent_kernel."""
+    unless given; ``persistent``: a grid of at most one program an SM, else one program an item."""
     xq, xs, dtype, m = x
     if m > 64:
         raise ValueError(f"{m} rows: this kernel takes one row tile of at most 64")
@@ -281,17 +198,12 @@ def gluon_gemm(x: Quantized, w: torch.Tensor, s: torch.Tensor, split_k: int | No
                        device=xq.device)  # fmt: skip
     w_desc, x_desc = descriptors(xq, w, block_m)
     pdl = pdl_enabled(xq.device)
-    if persistent:
-        items = tiles * split_k
-        _persistent_kernel[(persistent_programs(items, sm_count(xq.device)),)](
-            w_desc, x_desc, xs, s, out, part, m, xs.stride(1), s.stride(0), out.stride(0), items, SPLITS=split_k,
-            K_PER_SPLIT=kp // split_k, STAGES=stages, USE_PDL=pdl, num_warps=4, maxnreg=maxnreg, launch_pdl=pdl,
-        )  # fmt: skip
-    else:
-        _gemv_kernel[(tiles, split_k)](
-            w_desc, x_desc, xs, s, out, part, m, xs.stride(1), s.stride(0), out.stride(0), SPLITS=split_k,
-            K_PER_SPLIT=kp // split_k, STAGES=stages, USE_PDL=pdl, num_warps=4, maxnreg=maxnreg, launch_pdl=pdl,
-        )  # fmt: skip
+    items = tiles * split_k
+    programs = persistent_programs(items, sm_count(xq.device)) if persistent else items
+    _gemv_kernel[(programs,)](
+        w_desc, x_desc, xs, s, out, part, m, xs.stride(1), s.stride(0), out.stride(0), items, SPLITS=split_k,
+        K_PER_SPLIT=kp // split_k, STAGES=stages, USE_PDL=pdl, num_warps=4, maxnreg=maxnreg, launch_pdl=pdl,
+    )  # fmt: skip
     if split_k > 1:
         _sum_planes[(tiles, 1, block_m // SUM_ROWS)](
             part, out, m, out.stride(0), SPLITS=split_k, BLOCK_M=block_m, BLOCK_N=BLOCK_N, ROWS=SUM_ROWS, USE_PDL=pdl,
@@ -314,8 +226,7 @@ def compile_only(rows: list[int], stages: list[int], maxnregs: list[int], k_spli
     out = []
     for kind, (name, (n, k)), m, st, reg, sp in itertools.product(kinds, GEMMS.items(), rows, stages, maxnregs,
                                                                   k_split):  # fmt: skip
-        kernel = _persistent_kernel if kind == "persistent" else _gemv_kernel
-        names = list(kernel.arg_names)
+        names = list(_gemv_kernel.arg_names)
         if sp and (k // BLOCK_K) % sp:
             continue
         block_m = min(64, max(16, triton.next_power_of_2(m)))
@@ -326,12 +237,11 @@ def compile_only(rows: list[int], stages: list[int], maxnregs: list[int], k_spli
         signature.update(w_desc=mangle_type(w_desc), x_desc=mangle_type(x_desc), xs_ptr="*fp32", s_ptr="*fp32",
                          out_ptr="*bf16", part_ptr="*fp32", M="i32", stride_xs="i32", stride_sn="i32",
                          stride_om="i32")  # fmt: skip
-        if kind == "persistent":
-            signature["ITEMS"] = "i32"
+        signature["ITEMS"] = "i32"
         constants = {(names.index(a),): v for a, v in
                      {"SPLITS": splits, "K_PER_SPLIT": k // splits, "STAGES": st, "USE_PDL": True,
                       "num_warps": 4}.items()}  # fmt: skip
-        binary = triton.compile(GluonASTSource(kernel, signature, constants),
+        binary = triton.compile(GluonASTSource(_gemv_kernel, signature, constants),
                                 target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": reg})  # fmt: skip
         with tempfile.TemporaryDirectory() as tmp:
             cubin = Path(tmp) / "kernel.cubin"
