@@ -47,7 +47,9 @@ def weight_copies(n: int, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(max(2, L2_BYTES // (n * k)))]  # fmt: skip
 
 
-def quantized_cases(rows: list[int], names: list[str] | None = None) -> Iterator[tuple]:
+def quantized_cases(
+    rows: list[int], names: list[str] | None = None
+) -> Iterator[tuple[str, int, Quantized, torch.Tensor, list]]:
     """Each layer GEMM (those of ``names``, all by default) at each row count: its name, the rows, random
     activations quantized as the norms hand them to the GEMM, the engine kernel's output for them (the reference of
     a variant) and the weight copies."""
