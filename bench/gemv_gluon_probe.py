@@ -212,9 +212,9 @@ def gluon_gemm(x: Quantized, w: torch.Tensor, s: torch.Tensor, split_k: int | No
     return out
 
 
-def compile_only(rows: list[int], stages: list[int], maxnregs: list[int], k_split: list[int],
-                 kinds: list[str]) -> list[dict]:  # fmt: skip
-    """Every launch compiled for sm_90 on this machine (no GPU): registers, spills, shared memory."""
+def compile_only(rows: list[int], stages: list[int], maxnregs: list[int], k_split: list[int]) -> list[dict]:
+    """Every launch compiled for sm_90 on this machine (no GPU): registers, spills, shared memory. The kinds are one
+    kernel (only their grids differ), compiled once."""
     import subprocess
     import tempfile
 
@@ -223,10 +223,9 @@ def compile_only(rows: list[int], stages: list[int], maxnregs: list[int], k_spli
     from triton.runtime.jit import mangle_type
 
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    names = list(_gemv_kernel.arg_names)
     out = []
-    for kind, (name, (n, k)), m, st, reg, sp in itertools.product(kinds, GEMMS.items(), rows, stages, maxnregs,
-                                                                  k_split):  # fmt: skip
-        names = list(_gemv_kernel.arg_names)
+    for (name, (n, k)), m, st, reg, sp in itertools.product(GEMMS.items(), rows, stages, maxnregs, k_split):
         if sp and (k // BLOCK_K) % sp:
             continue
         block_m = min(64, max(16, triton.next_power_of_2(m)))
@@ -249,8 +248,8 @@ def compile_only(rows: list[int], stages: list[int], maxnregs: list[int], k_spli
             usage = subprocess.run([str(tool), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
         regs = usage.split("REG:")[1].split()[0]
         local = usage.split("LOCAL:")[1].split()[0]
-        row = {"kind": kind, "gemm": name, "m": m, "splits": splits, "stages": st, "maxnreg": reg,
-               "registers": int(regs), "spilled": int(local), "shared": binary.metadata.shared}  # fmt: skip
+        row = {"gemm": name, "m": m, "splits": splits, "stages": st, "maxnreg": reg, "registers": int(regs),
+               "spilled": int(local), "shared": binary.metadata.shared}  # fmt: skip
         out.append(row)
         print(json.dumps(row), flush=True)
     return out
@@ -274,16 +273,16 @@ def main() -> None:
     began = time.perf_counter()
     if args.compile_only:
         result: dict[str, object] = {"triton": triton.__version__, "target": "sm_90",
-                                     "launches": compile_only(rows, stages, maxnregs, splits, kinds)}  # fmt: skip
+                                     "launches": compile_only(rows, stages, maxnregs, splits)}  # fmt: skip
     else:
         torch.manual_seed(0)
         found = []
         for name, m, x, ref, copies in quantized_cases(rows, args.gemms.split(",") if args.gemms else None):
+            n, k = GEMMS[name]
             engine_us = timed_us(lambda x, w, s: fp8_block_gemm(x, w, s), copies, x)  # type: ignore[arg-type]
             found.append({"gemm": name, "m": m, "variant": "engine", "us": round(engine_us, 2),
-                          "tb_s": round(GEMMS[name][0] * GEMMS[name][1] / engine_us / 1e6, 3)})  # fmt: skip
+                          "tb_s": round(n * k / engine_us / 1e6, 3)})  # fmt: skip
             print(json.dumps(found[-1]), flush=True)
-            n, k = GEMMS[name]
             rule = k_splits(m, k, n // BLOCK_N, sm_count(x.q.device))
             for kind, st, reg, sp in itertools.product(kinds, stages, maxnregs, splits):
                 if sp and ((k // BLOCK_K) % sp or sp == rule):  # not dividing K, or the rule's count again
@@ -297,7 +296,7 @@ def main() -> None:
                     row.update(same_as_engine=bool(torch.equal(got, ref)),
                                rel_err=round(((got.float() - ref.float()).norm() / ref.float().norm()).item(), 6),
                                us=round(us := timed_us(fn, copies, x), 2),  # type: ignore[arg-type]
-                               tb_s=round(GEMMS[name][0] * GEMMS[name][1] / us / 1e6, 3))  # fmt: skip
+                               tb_s=round(n * k / us / 1e6, 3))  # fmt: skip
                 except Exception as exc:  # a launch that does not fit: recorded, the sweep goes on
                     row["error"] = str(exc)[:300]
                 found.append(row)
