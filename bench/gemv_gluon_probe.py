@@ -16,7 +16,10 @@ at the engine's K splits, and is no faster but for gate_up at one row (29.5 us a
 of K blocks streams well, many short split programs and deep rings at 64 rows (fewer programs an SM) do not. The
 persistent kind (a grid of at most one program an SM, each walking several (tile, split) items through one ring that
 does not drain between them) is the next try; compiled for sm_90, not yet run. Since then the kernel walks items in
-both kinds (the "ws" kind: one item a program; the split index now varies fastest over the programs).
+both kinds (the "ws" kind: one item a program; the split index now varies fastest over the programs), and (fortieth
+session, not yet run either) the MMA warps load each K block's two scales one block ahead: in the measured kernel
+those global loads came right before the block's barrier wait, so once the ring was full their latency was paid on
+every 8 KB block of weights (at ~300 ns a block, 132 programs stream ~3.6 TB/s: a guess at the latency, not measured).
 
 ``--compile-only`` compiles every launch for sm_90 on the CPU (Triton's compiler and ptxas, no GPU) and prints what
 each uses. On the device it checks each launch against the engine's kernel (bit for bit, and the relative error) and
@@ -116,30 +119,40 @@ def _mma(xs_ptr, s_ptr, out_ptr, part_ptr, M, stride_xs, stride_sn, stride_om, w
     rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, layout))
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
     plane = (ITEMS // SPLITS) * BLOCK_M * BLOCK_N
-    c = 0
-    for item in range(gl.program_id(0), ITEMS, gl.num_programs(0)):
-        tile = item // SPLITS
-        split = item % SPLITS
-        off_n = tile * BLOCK_N
-        acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout)
-        for it in range(ITERS):
-            s = c % STAGES
-            kb = split * ITERS + it
-            w_scale = gl.load(s_ptr + (off_n // 128) * stride_sn + kb)
-            x_scale = gl.load(xs_ptr + kb * stride_xs + rows, mask=rows < M, other=0.0)
-            mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-            part = warpgroup_mma(w_smem.index(s), x_smem.index(s).permute((1, 0)), acc, use_acc=False,
-                                 is_async=True)  # fmt: skip
-            part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-            mbarrier.arrive(empty.index(s), count=1)
-            acc += part * w_scale * x_scale[None, :]
-            c += 1
-        if SPLITS == 1:
-            gl.store(out_ptr + rows[None, :] * stride_om + (off_n + cols)[:, None],
-                     acc.to(out_ptr.dtype.element_ty), mask=(rows < M)[None, :])  # fmt: skip
-        else:
-            gl.store(part_ptr + split * plane + tile * BLOCK_M * BLOCK_N + rows[None, :] * BLOCK_N + cols[:, None],
-                     acc, mask=(rows < M)[None, :])  # fmt: skip
+    pid = gl.program_id(0)
+    programs = gl.num_programs(0)
+    total = (ITEMS - pid + programs - 1) // programs * ITERS  # this program's K blocks over all its items
+    # Each K block's two scales are loaded one block ahead: their global loads' latency overlaps the block before.
+    w_next = gl.load(s_ptr + ((pid // SPLITS) * BLOCK_N // 128) * stride_sn + (pid % SPLITS) * ITERS)
+    x_next = gl.load(xs_ptr + ((pid % SPLITS) * ITERS) * stride_xs + rows, mask=rows < M, other=0.0)
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout)
+    for c in range(total):
+        w_scale = w_next
+        x_scale = x_next
+        ahead = gl.minimum(c + 1, total - 1)
+        item_ahead = pid + (ahead // ITERS) * programs
+        kb_ahead = (item_ahead % SPLITS) * ITERS + ahead % ITERS
+        w_next = gl.load(s_ptr + ((item_ahead // SPLITS) * BLOCK_N // 128) * stride_sn + kb_ahead)
+        x_next = gl.load(xs_ptr + kb_ahead * stride_xs + rows, mask=rows < M, other=0.0)
+        s = c % STAGES
+        mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+        part = warpgroup_mma(w_smem.index(s), x_smem.index(s).permute((1, 0)), acc, use_acc=False,
+                             is_async=True)  # fmt: skip
+        part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+        mbarrier.arrive(empty.index(s), count=1)
+        acc += part * w_scale * x_scale[None, :]
+        if c % ITERS == ITERS - 1:  # the item's last K block: its output, or its split-K plane
+            item = pid + (c // ITERS) * programs
+            tile = item // SPLITS
+            split = item % SPLITS
+            off_n = tile * BLOCK_N
+            if SPLITS == 1:
+                gl.store(out_ptr + rows[None, :] * stride_om + (off_n + cols)[:, None],
+                         acc.to(out_ptr.dtype.element_ty), mask=(rows < M)[None, :])  # fmt: skip
+            else:
+                gl.store(part_ptr + split * plane + tile * BLOCK_M * BLOCK_N + rows[None, :] * BLOCK_N
+                         + cols[:, None], acc, mask=(rows < M)[None, :])  # fmt: skip
+            acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout)
 
 
 @gluon.jit
