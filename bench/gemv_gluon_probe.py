@@ -184,6 +184,12 @@ def persistent_programs(items: int, sms: int) -> int:
     return max(d for d in range(1, min(items, sms) + 1) if items % d == 0)
 
 
+def split_choices(asked: list[int], k: int, rule: int) -> list[int]:
+    """The K split counts to try of those asked (0: the engine's rule): those dividing K's blocks, the rule's count
+    once."""
+    return [sp for sp in asked if not sp or ((k // BLOCK_K) % sp == 0 and sp != rule)]
+
+
 def descriptors(xq: torch.Tensor, w: torch.Tensor, block_m: int) -> tuple:
     """Host-made TMA descriptors of the weight [N, K] (64 x 128 tiles) and the activations [R, K] (block_m x 128;
     rows past R come in as zeros)."""
@@ -238,11 +244,11 @@ def compile_only(rows: list[int], stages: list[int], maxnregs: list[int], k_spli
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     names = list(_gemv_kernel.arg_names)
     out = []
-    for (name, (n, k)), m, st, reg, sp in itertools.product(GEMMS.items(), rows, stages, maxnregs, k_split):
-        if sp and (k // BLOCK_K) % sp:
-            continue
+    launches = [(name, n, k, m, st, reg, sp or rule)
+                for (name, (n, k)), m, st, reg in itertools.product(GEMMS.items(), rows, stages, maxnregs)
+                for rule in [k_splits(m, k, n // BLOCK_N, 132)] for sp in split_choices(k_split, k, rule)]  # fmt: skip
+    for name, n, k, m, st, reg, splits in launches:
         block_m = min(64, max(16, triton.next_power_of_2(m)))
-        splits = sp or k_splits(m, k, n // BLOCK_N, 132)
         w_desc, x_desc = descriptors(torch.empty(m, k, dtype=torch.float8_e4m3fn),
                                      torch.empty(n, k, dtype=torch.float8_e4m3fn), block_m)  # fmt: skip
         signature = {a: "constexpr" for a in names}
@@ -297,9 +303,7 @@ def main() -> None:
                           "tb_s": round(n * k / engine_us / 1e6, 3)})  # fmt: skip
             print(json.dumps(found[-1]), flush=True)
             rule = k_splits(m, k, n // BLOCK_N, sm_count(x.q.device))
-            for kind, st, reg, sp in itertools.product(kinds, stages, maxnregs, splits):
-                if sp and ((k // BLOCK_K) % sp or sp == rule):  # not dividing K, or the rule's count again
-                    continue
+            for kind, st, reg, sp in itertools.product(kinds, stages, maxnregs, split_choices(splits, k, rule)):
                 persistent = kind == "persistent"
                 fn = lambda x, w, s, st=st, reg=reg, sp=sp, p=persistent: gluon_gemm(x, w, s, sp, st, reg, p)  # noqa: E731
                 label = ("persistent" if persistent else "gluon") + f" s{st} r{reg}" + (f" k{sp}" if sp else "")
