@@ -62,7 +62,9 @@ def store_groups(q_ptr, s_ptr, row, rows, n_cols, first, y, BLOCK: tl.constexpr,
 
 # Programmatic dependent launch (Hopper+): a decode kernel is scheduled while the previous one
 # finishes and waits (gdc_wait) before touching memory; saves launch gaps inside the CUDA
-# graph (docs/benchmarks.md). Benchmarks switch it off to compare.
+# graph (docs/benchmarks.md). Benchmarks switch it off to compare. Before its wait a kernel may
+# read what the kernel ahead of it does not write (weights, the step's inputs): that one starts
+# its dependents only once its own wait has returned, so everything before it has landed.
 PDL = True
 SMALL_ROWS = 64  # decode-sized launches only: a multi-wave kernel gains nothing from an early start
 
@@ -93,10 +95,11 @@ def sm_count(device: torch.device) -> int:
 def _add_rms_norm(x_ptr, r_ptr, w_ptr, out_ptr, s_ptr, n_cols, m, eps, HAS_RESIDUAL: tl.constexpr,
                   QUANTIZE: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, FP8_MAX: tl.constexpr,
                   USE_PDL: tl.constexpr):  # fmt: skip
-    pdl_enter(USE_PDL)
     row = tl.program_id(0)  # rows past m (quantized output's padding) read and write zeros
     cols = tl.arange(0, BLOCK)
     mask = cols < tl.where(row < m, n_cols, 0)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # never written: read before the wait (pdl_enter)
+    pdl_enter(USE_PDL)
     x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         x = x + tl.load(r_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
@@ -104,7 +107,6 @@ def _add_rms_norm(x_ptr, r_ptr, w_ptr, out_ptr, s_ptr, n_cols, m, eps, HAS_RESID
         tl.store(x_ptr + row * n_cols + cols, x, mask=mask)  # the residual stream, updated in place
         x = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     normed = (x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)  # HF rounds before the weight
     y = (normed * w).to(x_ptr.dtype.element_ty)
     if QUANTIZE:
@@ -194,23 +196,25 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, quantize_rows: int = 0, block
 def _rope_kv_write(qkv_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, slot_ptr, tokens, stride_t, stride_slot,
                    stride_head, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
                    BLOCK_T: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
-    pdl_enter(USE_PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1)  # 0..HEADS-1: a query head; HEADS..HEADS+KV_HEADS-1: a key/value head
     offs = tl.arange(0, HALF)
     live = (t < tokens)[:, None]
+    # The step's own inputs (angles, cache slots), written before the kernel ahead of this one: read before the wait
+    c = tl.load(cos_ptr + t[:, None] * HALF + offs[None, :], mask=live)
+    s = tl.load(sin_ptr + t[:, None] * HALF + offs[None, :], mask=live)
+    slot = tl.load(slot_ptr + t, mask=t < tokens).to(tl.int64)  # used by the key/value heads only
+    pdl_enter(USE_PDL)
     src = qkv_ptr + t[:, None] * stride_t + h * 2 * HALF + offs[None, :]
     x1 = tl.load(src, mask=live).to(tl.float32)
     x2 = tl.load(src + HALF, mask=live).to(tl.float32)
-    c = tl.load(cos_ptr + t[:, None] * HALF + offs[None, :], mask=live)
-    s = tl.load(sin_ptr + t[:, None] * HALF + offs[None, :], mask=live)
     r1 = x1 * c - x2 * s
     r2 = x2 * c + x1 * s
     if h < HEADS:
         dst = q_ptr + (t[:, None] * HEADS + h) * 2 * HALF + offs[None, :]
     else:
         kv = h - HEADS
-        cache = tl.load(slot_ptr + t, mask=t < tokens).to(tl.int64)[:, None] * stride_slot + kv * stride_head
+        cache = slot[:, None] * stride_slot + kv * stride_head
         dst = kc_ptr + cache + offs[None, :]
         v_src = qkv_ptr + t[:, None] * stride_t + (HEADS + KV_HEADS + kv) * 2 * HALF + offs[None, :]
         tl.store(vc_ptr + cache + offs[None, :], tl.load(v_src, mask=live), mask=live)

@@ -61,7 +61,6 @@ def _paged_attention(
     PAGE: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, SEQS_P2: tl.constexpr, DECODE_GROUP: tl.constexpr,
     USE_PDL: tl.constexpr, SPLITS: tl.constexpr = 1,
 ):  # fmt: skip
-    pdl_enter(USE_PDL)
     kv_head = tl.program_id(1)
     qk_scale = scale * 1.4426950408889634  # exp2 below
     rows = tl.arange(0, BLOCK_Q * GROUP_P2)
@@ -71,6 +70,7 @@ def _paged_attention(
     l_i = tl.zeros([BLOCK_Q * GROUP_P2], dtype=tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_P2, D_P2], dtype=tl.float32)
     if SEQS_P2 != 0:
+        pdl_enter(USE_PDL)
         # Whole tiles of the positions every sequence's rows see in the same blocks: a block of the step's rows,
         # whatever sequences they belong to (engine/native/attention.py, StepBatch.shared_prefix).
         bulk = tl.load(shared_ptr) // BLOCK_N * BLOCK_N
@@ -90,6 +90,8 @@ def _paged_attention(
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     context = seq_len - q_len  # positions before this step's tokens
+    if SEQS_P2 == 0:  # decode: the step's lengths above (its inputs) read before the wait; the queries after it
+        pdl_enter(USE_PDL)
 
     q_index = q_block * BLOCK_Q + rows // GROUP_P2  # which of the sequence's query rows
     head = kv_head * GROUP + rows % GROUP_P2
