@@ -5,7 +5,9 @@ The twenty-second session swept split-K with the GEMM summing its own planes; si
 divides their K blocks against the launch rule's, the split-K sum included, weights cycled past the L2. Also the
 rotary/KV-write kernel's tokens a program and the SiLU-mul kernel's columns a program and warps (one token and 1,024
 columns when this probe was written; the rotary kernel's rule has taken up to 8 since), and with --warps the GEMMs'
-warps a program. Each timing is a CUDA graph of the call repeated (bench/gpu_step_profile.py's graphed_us).
+warps a program, with --block-m the GEMMs' rows a tile (several row tiles of 16 or 32 at 64 rows: fewer K splits,
+the weight read by each through the L2). Each timing is a CUDA graph of the call repeated (bench/gpu_step_profile.py's
+graphed_us).
 
     PYTHONPATH=/tmp/site:$PWD python3 bench/decode_launch_probe.py --out $OUT/decode_launch.json
 """
@@ -31,15 +33,19 @@ from engine.native.triton_fp8 import BLOCK_K, MAX_SPLIT, fp8_block_gemm
 HEADS, KV_HEADS, DIM, INTERMEDIATE = 32, 8, 128, 14336
 
 
-def gemm_rows(rows: list[int], out: list[dict[str, object]], warps: list[int]) -> None:
+def gemm_rows(rows: list[int], out: list[dict[str, object]], warps: list[int], block_ms: list[int | None],
+              only_rule: bool) -> None:  # fmt: skip
     for name, m, x, ref, copies in quantized_cases(rows):
         k = GEMMS[name][1]
-        splits = [None, *(s for s in range(1, MAX_SPLIT + 1) if (k // BLOCK_K) % s == 0)]
-        for split, w in itertools.product(splits, warps):
-            fn = lambda x, wt, s, split=split, w=w: fp8_block_gemm(x, wt, s, split_k=split, num_warps=w)  # noqa: E731
+        splits = [None] if only_rule else [None, *(s for s in range(1, MAX_SPLIT + 1) if (k // BLOCK_K) % s == 0)]
+        for split, w, bm in itertools.product(splits, warps, block_ms):
+            if bm is not None and bm >= min(64, max(16, 1 << (m - 1).bit_length())):
+                continue  # the rule's own tile (or wider): timed as block_m "rule"
+            fn = lambda x, wt, s, split=split, w=w, bm=bm: fp8_block_gemm(x, wt, s, split_k=split, num_warps=w,  # noqa: E731
+                                                                          block_m=bm)  # fmt: skip
             same = bool(torch.equal(fn(x, *copies[0]), ref)) if split is None else None
             row = {"kernel": "gemm", "gemm": name, "m": m, "split": split or "rule", "warps": w,
-                   "us": round(timed_us(fn, copies, x), 2)}  # type: ignore[arg-type]  # fmt: skip
+                   "block_m": bm or "rule", "us": round(timed_us(fn, copies, x), 2)}  # type: ignore[arg-type]  # fmt: skip
             if same is not None:
                 row["same_as_rule"] = same
             out.append(row)
@@ -74,6 +80,10 @@ def main() -> None:
     parser.add_argument("--rows", default="1,16,32,64")
     parser.add_argument("--warps", default="4", help="the GEMMs' warps a program to try, e.g. 4,8")
     parser.add_argument("--only", choices=("gemms", "small"), help="one part (default: both)")
+    parser.add_argument("--block-m", default="rule",
+                        help="the GEMMs' rows a tile to try, e.g. rule,16,32: below the rows, several row tiles read "
+                             "the same weight tiles (through the L2) and need fewer K splits")  # fmt: skip
+    parser.add_argument("--rule-splits-only", action="store_true", help="the GEMMs at the rule's K splits only")
     args = parser.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     torch.manual_seed(0)
@@ -82,7 +92,8 @@ def main() -> None:
     if args.only != "gemms":
         small_kernels(rows, out)
     if args.only != "small":
-        gemm_rows(rows, out, [int(w) for w in args.warps.split(",")])
+        block_ms = [None if b == "rule" else int(b) for b in args.block_m.split(",")]
+        gemm_rows(rows, out, [int(w) for w in args.warps.split(",")], block_ms, args.rule_splits_only)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "seconds": round(time.perf_counter() - began, 1), "rows": out}  # fmt: skip

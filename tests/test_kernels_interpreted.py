@@ -170,7 +170,7 @@ def test_fused_group_quantization_matches_torch() -> None:
 def test_block_fp8_gemm_matches_its_dequantized_operands_for_every_row_tile_and_split() -> None:
     """engine/native/triton_fp8.py: the activations quantized once (quantize_groups), then each program's FP8 dot
     per 128x128 block with both scales, K split across programs and the planes summed by a second kernel; against the
-    same quantized operands dequantized and multiplied in float32. Rows from one to two row tiles."""
+    same quantized operands dequantized and multiplied in float32. Rows from one to two row tiles (five of 16 rows)."""
     _interpreted("""
         import torch
         from engine.native.triton_fp8 import fp8_block_gemm, quantize_groups
@@ -183,9 +183,10 @@ def test_block_fp8_gemm_matches_its_dequantized_operands_for_every_row_tile_and_
             x = torch.randn(m, k, generator=gen)
             q, s = quantize_groups(x, m)
             ref = (q.float() * s.repeat_interleave(128, 1)) @ w_ref.T
-            for block_n, split, swap, tma in ((64, 1, False, False), (64, 2, True, False), (64, 4, False, True),
-                                              (128, 2, False, False), (128, 1, True, True)):
-                out = fp8_block_gemm(x, w, ws, block_n=block_n, split_k=split, swap_ab=swap, tma=tma)
+            for block_n, split, swap, tma, block_m in ((64, 1, False, False, None), (64, 2, True, False, None),
+                                                       (64, 4, False, True, None), (128, 2, False, False, None),
+                                                       (128, 1, True, True, None), (64, 2, True, False, 16)):
+                out = fp8_block_gemm(x, w, ws, block_n=block_n, split_k=split, swap_ab=swap, tma=tma, block_m=block_m)
                 assert out.shape == (m, n) and out.dtype == x.dtype
                 torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
     """)

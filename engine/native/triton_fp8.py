@@ -109,13 +109,14 @@ def _sum_planes(part_ptr, out_ptr, M, stride_om, SPLITS: tl.constexpr, BLOCK_M: 
 
 def fp8_block_gemm(x: torch.Tensor | Quantized, w: torch.Tensor, s: torch.Tensor, block_n: int | None = None,
                    split_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                   swap_ab: bool = True, tma: bool | None = None) -> torch.Tensor:  # fmt: skip
+                   swap_ab: bool = True, tma: bool | None = None, block_m: int | None = None,
+                   ) -> torch.Tensor:  # fmt: skip
     """x [M, Kp] bf16 (or already quantized: engine/native/fused_ops.py), w [Np, Kp] fp8, s [>=Np/128, >=Kp/128]
     fp32 -> [M, Np] in x's dtype. Launch choices left as None follow the rule below."""
     xq, xs, dtype = x[:3] if isinstance(x, Quantized) else (*quantize_groups(x, x.shape[0]), x.dtype)
     m, kp = xq.shape
     np_ = w.shape[0]
-    block_m = min(64, max(16, triton.next_power_of_2(m)))
+    block_m = block_m or min(64, max(16, triton.next_power_of_2(m)))
     # Launch choices from H200 sweeps (bench/gemm_small_m.py --splits, then --explore:
     # bench/results/gpu_gemm_small_m_{splits,explore}.json): 64 columns and 4 warps a program, K split so that there
     # are at least 2.5 programs per SM (k_splits), the weight tile as the MMA's left operand (swap-AB: its 64 rows on
