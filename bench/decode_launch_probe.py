@@ -28,18 +28,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.gemm_small_m import GEMMS, quantized_cases, timed_us
 from bench.gpu_step_profile import graphed_us
 from engine.native.fused_ops import rope_kv_write, silu_mul
-from engine.native.triton_fp8 import BLOCK_K, MAX_SPLIT, fp8_block_gemm
+from engine.native.triton_fp8 import BLOCK_K, MAX_SPLIT, fp8_block_gemm, row_tile
 
 HEADS, KV_HEADS, DIM, INTERMEDIATE = 32, 8, 128, 14336
 
 
-def gemm_rows(rows: list[int], out: list[dict[str, object]], warps: list[int], block_ms: list[int | None],
-              only_rule: bool) -> None:  # fmt: skip
+def gemm_rows(rows: list[int], out: list[dict[str, object]], warps: list[int], block_ms: list[int | None]) -> None:
     for name, m, x, ref, copies in quantized_cases(rows):
         k = GEMMS[name][1]
-        splits = [None] if only_rule else [None, *(s for s in range(1, MAX_SPLIT + 1) if (k // BLOCK_K) % s == 0)]
+        splits = [None, *(s for s in range(1, MAX_SPLIT + 1) if (k // BLOCK_K) % s == 0)]
         for split, w, bm in itertools.product(splits, warps, block_ms):
-            if bm is not None and bm >= min(64, max(16, 1 << (m - 1).bit_length())):
+            if bm is not None and bm >= row_tile(m):
                 continue  # the rule's own tile (or wider): timed as block_m "rule"
             fn = lambda x, wt, s, split=split, w=w, bm=bm: fp8_block_gemm(x, wt, s, split_k=split, num_warps=w,  # noqa: E731
                                                                           block_m=bm)  # fmt: skip
@@ -83,7 +82,6 @@ def main() -> None:
     parser.add_argument("--block-m", default="rule",
                         help="the GEMMs' rows a tile to try, e.g. rule,16,32: below the rows, several row tiles read "
                              "the same weight tiles (through the L2) and need fewer K splits")  # fmt: skip
-    parser.add_argument("--rule-splits-only", action="store_true", help="the GEMMs at the rule's K splits only")
     args = parser.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     torch.manual_seed(0)
@@ -93,7 +91,7 @@ def main() -> None:
         small_kernels(rows, out)
     if args.only != "small":
         block_ms = [None if b == "rule" else int(b) for b in args.block_m.split(",")]
-        gemm_rows(rows, out, [int(w) for w in args.warps.split(",")], block_ms, args.rule_splits_only)
+        gemm_rows(rows, out, [int(w) for w in args.warps.split(",")], block_ms)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "seconds": round(time.perf_counter() - began, 1), "rows": out}  # fmt: skip

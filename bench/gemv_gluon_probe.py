@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.gemm_small_m import GEMMS, quantized_cases, timed_us
 from engine.native.fused_ops import Quantized, pdl_enabled, sm_count
-from engine.native.triton_fp8 import BLOCK_K, SUM_ROWS, _sum_planes, fp8_block_gemm, k_splits
+from engine.native.triton_fp8 import BLOCK_K, SUM_ROWS, _sum_planes, fp8_block_gemm, k_splits, row_tile
 
 BLOCK_N = 64  # weight rows a program: the wgmma's M side
 
@@ -209,7 +209,7 @@ def gluon_gemm(x: Quantized, w: torch.Tensor, s: torch.Tensor, split_k: int | No
     if m > 64:
         raise ValueError(f"{m} rows: this kernel takes one row tile of at most 64")
     kp, n = xq.shape[1], w.shape[0]
-    block_m = min(64, max(16, triton.next_power_of_2(m)))
+    block_m = row_tile(m)
     tiles = n // BLOCK_N
     split_k = split_k or k_splits(m, kp, tiles, sm_count(xq.device))
     out = torch.empty(m, n, dtype=dtype, device=xq.device)
@@ -248,7 +248,7 @@ def compile_only(rows: list[int], stages: list[int], maxnregs: list[int], k_spli
                 for (name, (n, k)), m, st, reg in itertools.product(GEMMS.items(), rows, stages, maxnregs)
                 for rule in [k_splits(m, k, n // BLOCK_N, 132)] for sp in split_choices(k_split, k, rule)]  # fmt: skip
     for name, n, k, m, st, reg, splits in launches:
-        block_m = min(64, max(16, triton.next_power_of_2(m)))
+        block_m = row_tile(m)
         w_desc, x_desc = descriptors(torch.empty(m, k, dtype=torch.float8_e4m3fn),
                                      torch.empty(n, k, dtype=torch.float8_e4m3fn), block_m)  # fmt: skip
         signature = {a: "constexpr" for a in names}

@@ -116,7 +116,7 @@ def fp8_block_gemm(x: torch.Tensor | Quantized, w: torch.Tensor, s: torch.Tensor
     xq, xs, dtype = x[:3] if isinstance(x, Quantized) else (*quantize_groups(x, x.shape[0]), x.dtype)
     m, kp = xq.shape
     np_ = w.shape[0]
-    block_m = block_m or min(64, max(16, triton.next_power_of_2(m)))
+    block_m = block_m or row_tile(m)
     # Launch choices from H200 sweeps (bench/gemm_small_m.py --splits, then --explore:
     # bench/results/gpu_gemm_small_m_{splits,explore}.json): 64 columns and 4 warps a program, K split so that there
     # are at least 2.5 programs per SM (k_splits), the weight tile as the MMA's left operand (swap-AB: its 64 rows on
@@ -152,6 +152,11 @@ def fp8_block_gemm(x: torch.Tensor | Quantized, w: torch.Tensor, s: torch.Tensor
             num_warps=4, launch_pdl=pdl,
         )  # fmt: skip
     return out
+
+
+def row_tile(m: int) -> int:
+    """The launch rule's rows a tile for ``m`` rows: the power of two that holds them, 16 to 64 (wgmma's N side)."""
+    return min(64, max(16, triton.next_power_of_2(m)))
 
 
 def k_splits(m: int, kp: int, tiles: int, sms: int) -> int:
