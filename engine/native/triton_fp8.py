@@ -14,6 +14,12 @@ program's reads made the tail; on the H200 the second kernel is faster for qkv /
 one row and 2.6 / 6.0 / 9.6 us at 64 (bench/gemm_split_k_probe.py, bench/results/gpu_gemm_split_k_probe.json), and
 the graphed decode step went 2.87 -> 2.80 ms at batch 1, 4.45 -> 4.01 ms at 64.
 
+At decode sizes the GEMM writes its output and split-K's planes with an L2 evict-last hint: the kernel after it reads
+them, and without the hint the weight stream (25-117 MB a GEMM, read once) pushes them out of the L2 first. On the H100
+the graphed decode step went 4.76 -> 4.61 ms at batch 64 and 3.433 -> 3.414 at batch 1; evict-first on the weights,
+evict-last on the activations and dropping the planes' lines unwritten after the sum (discard.global.L2) gained nothing
+more or lost (bench/results/gpu_h100_l2_hints_s42.json).
+
 The activations are quantized once per GEMM, not by every program that reads them (each of the
 N / BLOCK_N programs of a row tile used to quantize the same rows again): on the H200, for
 llama3-8b's four layer GEMMs, 79 us against 91 at M = 1, 85 against 96 at 16, and 98 and 105 us
@@ -42,7 +48,7 @@ SUM_ROWS = 4  # rows of a tile per program of split-K's _sum_planes
 def _fp8_block_gemm(
     xq_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, M, N, stride_xm, stride_xs, stride_wn, stride_sn,
     stride_om, SPLITS: tl.constexpr, K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, TMA: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, TMA: tl.constexpr, USE_PDL: tl.constexpr, KEEP: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(USE_PDL)
     pid_n = tl.program_id(0)
@@ -73,11 +79,11 @@ def _fp8_block_gemm(
         acc = tl.trans(acc_t)
     out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     if SPLITS == 1:
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask)
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask, eviction_policy=KEEP)
     else:  # split-K: each program leaves its fp32 partial in its own plane; _sum_planes adds them up
         offs, plane = _plane_offsets(pid_n, pid_m, tl.arange(0, BLOCK_M), tl.num_programs(0), tl.num_programs(2),
                                      BLOCK_M, BLOCK_N)  # fmt: skip
-        tl.store(part_ptr + pid_k * plane + offs, acc, mask=m_mask)
+        tl.store(part_ptr + pid_k * plane + offs, acc, mask=m_mask, eviction_policy=KEEP)
 
 
 @triton.jit
@@ -145,6 +151,7 @@ def fp8_block_gemm(x: torch.Tensor | Quantized, w: torch.Tensor, s: torch.Tensor
         s.stride(0), out.stride(0), SPLITS=split_k, K_PER_SPLIT=kp // split_k, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=BLOCK_K, SWAP_AB=swap_ab, TMA=tma, num_warps=num_warps, num_stages=num_stages,
         USE_PDL=(pdl := pdl_enabled(xq.device) and m <= SMALL_ROWS), launch_pdl=pdl,
+        KEEP="evict_last" if m <= SMALL_ROWS else "",
     )  # fmt: skip
     if split_k > 1:
         _sum_planes[(n_programs, m_tiles, block_m // SUM_ROWS)](
