@@ -15,8 +15,11 @@ one row and 2.6 / 6.0 / 9.6 us at 64 (bench/gemm_split_k_probe.py, bench/results
 the graphed decode step went 2.87 -> 2.80 ms at batch 1, 4.45 -> 4.01 ms at 64.
 
 At decode sizes the GEMM writes its output and split-K's planes with an L2 evict-last hint: the kernel after it reads
-them, and without the hint the weight stream (17-117 MB a GEMM, read once) pushes them out of the L2 first. On the H100
-the graphed decode step went 4.76 -> 4.61 ms at batch 64 and 3.433 -> 3.414 at batch 1; evict-first on the weights,
+them, and without the hint the weight stream (17-117 MB a GEMM, read once) pushes them out of the L2 first, to HBM.
+On the H100 the graphed decode step went 4.76 -> 4.61 ms at batch 64 and 3.433 -> 3.414 at batch 1, the time saved in
+the GEMMs themselves (3,006 -> 2,894 us at 64), not in the sum: kept in the L2, the planes are likely overwritten there
+by the next GEMM's (the same memory, from the graph's pool) instead of written back while the weights stream in.
+Evict-first on the weights,
 evict-last on the activations and dropping the planes' lines unwritten after the sum (discard.global.L2) gained nothing
 more or lost (bench/results/gpu_h100_l2_hints_s42.json).
 
