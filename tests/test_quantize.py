@@ -156,6 +156,20 @@ def test_synth_gives_its_tokenizer_a_word_for_every_id_of_the_model(demo_path, t
     assert (same / "tokenizer.json").read_bytes() == (demo / "tokenizer.json").read_bytes()
 
 
+def test_synth_refuses_a_tokenizer_folder_without_tokenizer_json(tmp_path: Path) -> None:
+    """`model synth --tokenizer DIR` where DIR holds no tokenizer.json: one line on the CLI, nothing written (it used to
+    write a checkpoint that `serve` refused only once its engine started)."""
+    (empty := tmp_path / "tok").mkdir()
+    out = tmp_path / "synth"
+    run = subprocess.run([sys.executable, "-m", "app.cli", "model", "synth", str(out), "--shape", "smollm2-135m",
+                          "--scheme", "bf16", "--layers", "1", "--tokenizer", str(empty)],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 2 and len(lines) == 1, run.stderr
+    assert lines[0].startswith("warmgate: error:") and "no tokenizer.json" in lines[0] and str(empty) in lines[0]
+    assert not out.exists()
+
+
 @pytest.mark.gpu
 def test_quantize_on_cuda_matches_cpu() -> None:
     w = torch.randn(1024, 576, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)

@@ -59,6 +59,9 @@ def synth_checkpoint(
         raise ValueError(f"unknown shape {shape!r}; choose one of {', '.join(SHAPES)}")
     if scheme not in WRITE_SCHEMES:
         raise ValueError(f"unknown scheme {scheme!r}; choose one of {', '.join(WRITE_SCHEMES)}")
+    if tokenizer is not None and not (Path(tokenizer) / "tokenizer.json").is_file():
+        # checked before the weights are made: a checkpoint without one is refused by `serve` only after it starts
+        raise FileNotFoundError(f"{tokenizer}: no tokenizer.json to copy (--tokenizer takes a folder that holds one)")
     target = WRITE_SCHEMES[scheme]
     base = SHAPES[shape] if isinstance(shape, str) else shape
     config = {**base, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
