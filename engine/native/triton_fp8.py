@@ -19,9 +19,8 @@ them, and without the hint the weight stream (17-117 MB a GEMM, read once) pushe
 On the H100 the graphed decode step went 4.76 -> 4.61 ms at batch 64 and 3.433 -> 3.414 at batch 1, the time saved in
 the GEMMs themselves (3,006 -> 2,894 us at 64), not in the sum: kept in the L2, the planes are likely overwritten there
 by the next GEMM's (the same memory, from the graph's pool) instead of written back while the weights stream in.
-Evict-first on the weights,
-evict-last on the activations and dropping the planes' lines unwritten after the sum (discard.global.L2) gained nothing
-more or lost (bench/results/gpu_h100_l2_hints_s42.json).
+Evict-first on the weights, evict-last on the activations and dropping the planes' lines unwritten after the sum
+(discard.global.L2) gained nothing more or lost (bench/results/gpu_h100_l2_hints_s42.json).
 
 The activations are quantized once per GEMM, not by every program that reads them (each of the
 N / BLOCK_N programs of a row tile used to quantize the same rows again): on the H200, for
@@ -145,6 +144,7 @@ def fp8_block_gemm(x: torch.Tensor | Quantized, w: torch.Tensor, s: torch.Tensor
         raise ValueError(f"split_k={split_k} does not divide the {k_blocks} K blocks")
     tiles = n_programs * m_tiles
     split_k = split_k or k_splits(m, kp, tiles, sm_count(xq.device))
+    decode = m <= SMALL_ROWS  # decode sizes: an early start (PDL) and the writes kept in the L2 for the next kernel
     out = torch.empty(m, np_, dtype=dtype, device=xq.device)
     part = torch.empty(split_k * tiles * block_m * block_n if split_k > 1 else 1, dtype=torch.float32,
                        device=xq.device)  # fmt: skip
@@ -153,8 +153,7 @@ def fp8_block_gemm(x: torch.Tensor | Quantized, w: torch.Tensor, s: torch.Tensor
         xq, xs, w_arg, s, out, part, m, np_, xq.stride(0), xs.stride(1), w.stride(0),
         s.stride(0), out.stride(0), SPLITS=split_k, K_PER_SPLIT=kp // split_k, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=BLOCK_K, SWAP_AB=swap_ab, TMA=tma, num_warps=num_warps, num_stages=num_stages,
-        USE_PDL=(pdl := pdl_enabled(xq.device) and m <= SMALL_ROWS), launch_pdl=pdl,
-        KEEP="evict_last" if m <= SMALL_ROWS else "",
+        USE_PDL=(pdl := pdl_enabled(xq.device) and decode), launch_pdl=pdl, KEEP="evict_last" if decode else "",
     )  # fmt: skip
     if split_k > 1:
         _sum_planes[(n_programs, m_tiles, block_m // SUM_ROWS)](
