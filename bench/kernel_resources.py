@@ -57,7 +57,7 @@ def record(path: str, step: str, attention: dict[str, int], decode: dict[str, in
     from bench.attention_ab import step_batch
     from engine.native.fused_ops import add_rms_norm, rope_kv_write, silu_mul
     from engine.native.kernels import CUBLAS_BLOCKWISE_ROWS, SMALL_M
-    from engine.native.triton_attention import paged_attention
+    from engine.native.triton_attention import Rope, paged_attention
     from engine.native.triton_fp8 import fp8_block_gemm, quantize_groups
     from engine.native.triton_logprobs import argmax
 
@@ -78,10 +78,14 @@ def record(path: str, step: str, attention: dict[str, int], decode: dict[str, in
     h = add_rms_norm(x, x, norm, 1e-5, quantized)
     qkv = fp8_block_gemm(h, *qkv_w) if triton_gemm else torch.empty(rows, qkv_w[0].shape[0], dtype=bf16)
     cos = sin = torch.empty(rows, DIM // 2)
-    q = rope_kv_write(qkv, cos, sin, k_cache, v_cache, torch.zeros(rows, dtype=torch.long), HEADS, KV_HEADS)
-    out = paged_attention(q, k_cache, v_cache, batch, DIM**-0.5, quantize_rows=quantized)  # as the model asks
+    slots = torch.zeros(rows, dtype=torch.long)
+    if batch.max_query_len == 1:  # decode: the attention rotates and writes the cache itself, as the model asks
+        q, rope = qkv, Rope(cos, sin, slots, HEADS)
+    else:
+        q, rope = rope_kv_write(qkv, cos, sin, k_cache, v_cache, slots, HEADS, KV_HEADS), None
+    out = paged_attention(q, k_cache, v_cache, batch, DIM**-0.5, quantize_rows=quantized, rope=rope)
     if extra := attention if batch.max_query_len > 1 else decode:
-        paged_attention(q, k_cache, v_cache, batch, DIM**-0.5, quantize_rows=quantized, **extra)
+        paged_attention(q, k_cache, v_cache, batch, DIM**-0.5, quantize_rows=quantized, rope=rope, **extra)
     o = fp8_block_gemm(out, *o_w) if triton_gemm else quantize_groups(out, quantized)[0]  # type: ignore[arg-type]
     h = add_rms_norm(x, o if triton_gemm else x, norm, 1e-5, quantized)
     gate_up = fp8_block_gemm(h, *gate_up_w) if triton_gemm else torch.empty(rows, 2 * INTERMEDIATE, dtype=bf16)

@@ -121,6 +121,42 @@ def check_split_decode_quantized_for_the_gemm(device: torch.device, dtype: torch
         assert isinstance(out, torch.Tensor) and torch.equal(out, unquantized), other
 
 
+def check_decode_attention_rotates_and_writes_its_token(device: torch.device, dtype: torch.dtype) -> None:
+    """A decode step given the unrotated q/k/v projection (triton_attention.Rope) against rope_kv_write and then the
+    same attention: the same keys and values in the cache, the same output (the rotation is one shared FMA), for
+    every way of splitting the walk (the new token in a split of its own, in a split with others; splits left
+    empty), and in a graph-shaped launch (padding sequences and rows, which write nothing)."""
+    from engine.native.fused_ops import Quantized, rope_kv_write
+    from engine.native.triton_attention import Rope, paged_attention
+
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim, blocks = 8, 2, 128, 64
+    decode = [(37, 1), (1, 1), (16, 1), (17, 1), (200, 1), (65, 1)]
+    cases = {f"split {n}": (decode, 0, 0, n) for n in (None, 1, 3, 8)}
+    cases["graph-shaped, split 4"] = ([(33, 1), (140, 1)], 3, 2, 4)
+    for name, (specs, pad, pad_rows, split_kv) in cases.items():
+        batch = make_batch(specs, blocks, device, gen, 1, pad)
+        rows = len(specs)
+        tables = batch.block_tables.cpu().tolist()
+        new = [int(slots_of(tables[i], length - 1, length, PAGE)[0]) for i, (length, _) in enumerate(specs)]
+        slots = torch.tensor(new + [0] * pad_rows, device=device)  # padding rows: the null block's slot 0
+        qkv = torch.randn(rows + pad_rows, (heads + 2 * kv_heads) * dim, generator=gen).to(device, dtype)
+        angles = torch.rand(rows + pad_rows, dim // 2, generator=gen).to(device) * 6
+        cos, sin = angles.cos(), angles.sin()
+        k = torch.randn(blocks * PAGE, kv_heads, dim, generator=gen).to(device, dtype)
+        v = torch.randn(blocks * PAGE, kv_heads, dim, generator=gen).to(device, dtype)
+        k_ref, v_ref = k.clone(), v.clone()
+        launch = {"block_n": 16, "split_kv": split_kv} if split_kv else {}
+        q = rope_kv_write(qkv, cos, sin, k_ref, v_ref, slots, heads, kv_heads)
+        expected = paged_attention(q, k_ref, v_ref, batch, dim**-0.5, **launch)
+        got = paged_attention(qkv, k, v, batch, dim**-0.5, rope=Rope(cos, sin, slots, heads), **launch)
+        assert not isinstance(got, Quantized) and not isinstance(expected, Quantized)
+        real = slice(PAGE, None)  # rope_kv_write also wrote the padding rows into the null block
+        assert torch.equal(k[real], k_ref[real]) and torch.equal(v[real], v_ref[real]), name
+        assert not torch.equal(k[new], torch.zeros_like(k[new])), name
+        torch.testing.assert_close(got[:rows], expected[:rows], rtol=0, atol=0, msg=name)
+
+
 def record_shared_prefixes(engine: Any) -> list[tuple[int, int, int]]:
     """From now on, (sequences, rows, the shared prefix staged for the kernel) of each step the engine's runner runs
     (engine/native/model_runner.py, ``_shared_prefix``), read from the staged host buffer once the step is launched."""

@@ -370,6 +370,12 @@ def test_fused_rope_kv_write_matches_separate_ops() -> None:
     assert int((k_cache != 0).any(dim=-1).sum()) == t * kv_heads, "nothing else written"
 
 
+def test_decode_attention_rotates_its_queries_and_writes_its_token() -> None:
+    from attention_cases import check_decode_attention_rotates_and_writes_its_token
+
+    check_decode_attention_rotates_and_writes_its_token(torch.device("cuda"), torch.bfloat16)
+
+
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(32, 8, 128), (9, 3, 64), (16, 8, 128), (8, 4, 256)])
 def test_paged_attention_kernel_matches_reference(heads: int, kv_heads: int, dim: int) -> None:
     """Decode rows, fresh prompts and later chunks of long prompts in one launch, in bf16."""

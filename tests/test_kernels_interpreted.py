@@ -124,6 +124,14 @@ def test_split_k_makes_enough_programs_and_keeps_its_planes_within_a_quarter_of_
                 assert tiles * split >= 330 or split == max(allowed), (m, n, k, split)  # else as many as allowed
 
 
+def test_decode_attention_rotates_its_queries_and_writes_its_token() -> None:
+    _interpreted("""
+        import torch
+        from attention_cases import check_decode_attention_rotates_and_writes_its_token
+        check_decode_attention_rotates_and_writes_its_token(torch.device("cpu"), torch.float32)
+    """)
+
+
 @pytest.mark.parametrize("t", [21, 75])
 def test_rope_kv_write_writes_each_token_to_its_slot(t: int) -> None:
     """Eight tokens a program at decode sizes, 32 past them; the last program's block partly empty."""

@@ -142,8 +142,17 @@ def _rope(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, stride_t, stride_h, HALF: tl.
     x2 = tl.load(x_ptr + src + HALF + offs, mask=mask, other=0.0).to(tl.float32)
     c = tl.load(cos_ptr + token * HALF + offs, mask=mask, other=0.0)
     s = tl.load(sin_ptr + token * HALF + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + dst + offs, (x1 * c - x2 * s).to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(out_ptr + dst + HALF + offs, (x2 * c + x1 * s).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + dst + offs, rotated(x1, -x2, c, s).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + dst + HALF + offs, rotated(x2, x1, c, s).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rotated(x, partner, c, s):
+    """One rotate-half output in fp32: x * cos + partner * sin, partner being -x2 for the first half's x1 and x1 for
+    the second half's x2. One explicit FMA, so that every kernel that rotates (the rotary kernels here, the decode
+    attention that rotates its own queries and key) rounds alike: left to the compiler, the contraction differs
+    between specializations."""
+    return tl.fma(x, c, partner * s)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -208,8 +217,8 @@ def _rope_kv_write(qkv_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, slot_ptr, t
     src = qkv_ptr + t[:, None] * stride_t + h * 2 * HALF + offs[None, :]
     x1 = tl.load(src, mask=live).to(tl.float32)
     x2 = tl.load(src + HALF, mask=live).to(tl.float32)
-    r1 = x1 * c - x2 * s
-    r2 = x2 * c + x1 * s
+    r1 = rotated(x1, -x2, c, s)
+    r2 = rotated(x2, x1, c, s)
     if h < HEADS:
         dst = q_ptr + (t[:, None] * HEADS + h) * 2 * HALF + offs[None, :]
     else:

@@ -242,6 +242,15 @@ class Transformer:
         def attention(i: int, layer: Layer, h: torch.Tensor, cos: torch.Tensor,
                       sin: torch.Tensor) -> torch.Tensor | Quantized:  # fmt: skip
             merged = self._fusable_qkv(layer)
+            if merged is not None and batch.max_query_len == 1:
+                # decode: the attention kernel rotates q and k and writes the cache itself (one launch fewer a layer)
+                from engine.native.triton_attention import Rope
+                from engine.native.triton_attention import paged_attention as fused_attention
+
+                qkv = merged(h)
+                rope = Rope(cos, sin, batch.slots, s.heads)
+                return fused_attention(qkv, kv.k[i], kv.v[i], batch, self.scale,
+                                       quantize_rows=layer.o.quantized_rows(qkv.shape[0]), rope=rope)  # fmt: skip
             if merged is not None:
                 from engine.native.fused_ops import rope_kv_write
 
@@ -254,8 +263,9 @@ class Transformer:
         return self._forward(batch.tokens, batch.positions, attention)
 
     def _fusable_qkv(self, layer: Layer) -> Linear | None:
-        """The merged q/k/v projection when CUDA can rotate q/k and write the cache in one kernel:
-        nothing between projection and rotation (no q/k norm), head_dim a power of two."""
+        """The merged q/k/v projection when CUDA can rotate q/k and write the cache in one kernel (the attention
+        itself at decode, rope_kv_write otherwise): nothing between projection and rotation (no q/k norm), head_dim
+        a power of two."""
         d = self.args.shape.head_dim
         if self.fused and layer.q_norm is None and d & (d - 1) == 0:
             return layer.qkv.merged

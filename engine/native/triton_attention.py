@@ -6,7 +6,13 @@ of them), and walks the sequence's keys up to its last row's position through th
 in tiles of BLOCK_N positions, with an online softmax in fp32.
 
 Decode runs a program per sequence (or, with ``split_kv``, several, each walking whole tiles of its positions, their
-partial softmaxes merged by _merge_splits). A step with prompt rows runs T // BLOCK_Q + S programs per KV
+partial softmaxes merged by _merge_splits). A decode step takes the merged q/k/v projection unrotated (Rope): each
+program rotates its heads' queries, and the one whose walk ends at the new token rotates that token's key and writes
+it and its value into the cache before it reads them, so the rotary kernel (fused_ops.rope_kv_write, which prompt
+steps keep) is not launched. On an H100, llama3-8b's graphed decode step, alternating runs on one machine: 3.425 ->
+3.394 ms at batch 1, 3.80 -> 3.74 at 16, 4.614 -> 4.557 at 64 (bench/results/gpu_h100_decode_rope_s43.json).
+
+A step with prompt rows runs T // BLOCK_Q + S programs per KV
 head for T rows of S sequences: sequence s owns the programs from query_start[s] // BLOCK_Q + s on
 (at least the ceil(rows / BLOCK_Q) it needs), and each program finds its sequence by comparing its
 index with those starts. Programs past a sequence's rows return at once, so the grid may be an upper
@@ -44,6 +50,7 @@ from engine.native.fused_ops import (
     pdl_enabled,
     pdl_enter,
     quantized_like,
+    rotated,
     sm_count,
     store_groups,
 )
@@ -55,11 +62,11 @@ _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.floa
 
 @triton.jit(do_not_specialize=["seqs"])
 def _paged_attention(
-    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr, query_start_ptr, shared_ptr, scale, seqs,
-    stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_table,
+    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr, query_start_ptr, shared_ptr, cos_ptr, sin_ptr, slot_ptr,
+    scale, seqs, stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_table,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, SEQS_P2: tl.constexpr, DECODE_GROUP: tl.constexpr,
-    USE_PDL: tl.constexpr, SPLITS: tl.constexpr = 1,
+    USE_PDL: tl.constexpr, SPLITS: tl.constexpr = 1, ROPE_HEADS: tl.constexpr = 0,
 ):  # fmt: skip
     kv_head = tl.program_id(1)
     qk_scale = scale * 1.4426950408889634  # exp2 below
@@ -90,14 +97,22 @@ def _paged_attention(
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     context = seq_len - q_len  # positions before this step's tokens
-    if SEQS_P2 == 0:  # decode: the step's lengths above (its inputs) read before the wait; the queries after it
-        pdl_enter(USE_PDL)
-
     q_index = q_block * BLOCK_Q + rows // GROUP_P2  # which of the sequence's query rows
     head = kv_head * GROUP + rows % GROUP_P2
     row_ok = (q_index < q_len) & (rows % GROUP_P2 < GROUP)
-    q = tl.load(q_ptr + (q_begin + q_index)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
-                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)  # fmt: skip
+    if ROPE_HEADS > 0:  # decode from the unrotated projection: the row's angles and slot (the step's inputs) first
+        half = dims % (D // 2)
+        c = tl.load(cos_ptr + q_begin * (D // 2) + half)
+        s = tl.load(sin_ptr + q_begin * (D // 2) + half)
+        slot = tl.load(slot_ptr + q_begin).to(tl.int64)
+    if SEQS_P2 == 0:  # decode: the step's lengths above (its inputs) read before the wait; the queries after it
+        pdl_enter(USE_PDL)
+    q_rows = q_ptr + (q_begin + q_index)[:, None] * stride_qt + head[:, None] * stride_qh
+    q_mask = row_ok[:, None] & dim_ok[None, :]
+    if ROPE_HEADS > 0:
+        q = _rotated_heads(q_rows, dims, q_mask, c, s, D).to(q_ptr.dtype.element_ty)
+    else:
+        q = tl.load(q_rows + dims[None, :], mask=q_mask, other=0.0)
     q_pos = context + q_index
     table = tables_ptr + seq * stride_table
     end = tl.minimum(seq_len, context + (q_block + 1) * BLOCK_Q)  # past the block's last row: invisible
@@ -117,6 +132,14 @@ def _paged_attention(
         chunk = tl.cdiv(tl.cdiv(end, SPLITS), BLOCK_N) * BLOCK_N
         lo = tl.minimum(tl.program_id(2) * chunk, end)
         hi = tl.minimum(lo + chunk, end)
+    if ROPE_HEADS > 0:  # noqa: SIM102 (a constexpr branch around a runtime one)
+        if (hi == end) & (lo < hi):  # the program whose walk ends at the new token writes its key and value first
+            token = q_ptr + q_begin * stride_qt
+            k = _rotated_heads(token + (ROPE_HEADS + kv_head) * D, dims, dims < D, c, s, D)
+            cache = slot * stride_ks + kv_head * stride_kh + dims
+            tl.store(k_ptr + cache, k.to(k_ptr.dtype.element_ty))
+            tl.store(v_ptr + cache, tl.load(token + (ROPE_HEADS + tl.num_programs(1) + kv_head) * D + dims))
+            tl.debug_barrier()  # every thread of the program sees the stores before its loads below
     for start in range(lo, hi, BLOCK_N):
         m_i, l_i, acc = _attend(q, q_pos, row_ok, m_i, l_i, acc, k_ptr, v_ptr, table, start, hi, kv_head,
                                 stride_ks, stride_kh, qk_scale, BLOCK_N, PAGE, D, D_P2, True, False)  # fmt: skip
@@ -127,6 +150,15 @@ def _paged_attention(
         tl.store(part[:, None] + dims[None, :], acc, mask=row_ok[:, None] & dim_ok[None, :])
         tl.store(part + D, m_i, mask=row_ok)
         tl.store(part + D + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _rotated_heads(ptrs, dims, mask, c, s, D: tl.constexpr):
+    """Heads of D values at ``ptrs`` (a head a row, or one head), rotate-half rotated by angles ``c`` and ``s`` (per
+    dim, each half's angles repeated), in fp32: the arithmetic of fused_ops' rotary kernels."""
+    x = tl.load(ptrs + dims, mask=mask, other=0.0).to(tl.float32)
+    partner = tl.load(ptrs + (dims + D // 2) % D, mask=mask, other=0.0).to(tl.float32)
+    return rotated(x, tl.where(dims < D // 2, -partner, partner), c, s)
 
 
 @triton.jit
@@ -306,6 +338,18 @@ def launch_shape(group: int, max_query_len: int, programs: int, sms: int) -> Lau
     return Launch(rows, 64, 4, 3)
 
 
+class Rope(NamedTuple):
+    """A decode step's queries left unrotated (paged_attention's ``rope``): q is then the merged q/k/v projection
+    [T, (heads + 2 * kv_heads) * d], and each program rotates its heads' queries by the row's angles ``cos``/``sin``
+    [T, d / 2], and the one whose walk ends at the new token writes that token's rotated key and its value into cache
+    slot ``slots[t]`` before it reads them: fused_ops.rope_kv_write's work, without its launch."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slots: torch.Tensor
+    heads: int
+
+
 @functools.cache
 def _none_shared(device: torch.device) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.int64, device=device)
@@ -314,7 +358,8 @@ def _none_shared(device: torch.device) -> torch.Tensor:
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: StepBatch, scale: float,
                     block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                     block_q: int | None = None, decode_group: int = DECODE_GROUP, maxnreg: int | None = None,
-                    split_kv: int | None = None, quantize_rows: int = 0) -> torch.Tensor | Quantized:  # fmt: skip
+                    split_kv: int | None = None, quantize_rows: int = 0,
+                    rope: Rope | None = None) -> torch.Tensor | Quantized:  # fmt: skip
     """q [T, heads, d] against one layer's cache [slots, kv_heads, d] -> [T, heads * d]. ``block_n``, ``num_warps``,
     ``num_stages``, ``block_q``, ``decode_group``, ``maxnreg`` (registers a thread at most): launch choices other
     than launch_shape's and DECODE_GROUP (bench/attention_decode.py and bench/attention_ab.py try them).
@@ -323,9 +368,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     sequences would otherwise run a program per sequence and KV head on a GPU of 132 SMs.
     ``quantize_rows`` (= T): where that merge runs and d is a quantization group (128), the output comes quantized
     for o_proj's block-FP8 GEMM (engine/native/fused_ops.py's Quantized: the same codes and scales as quantize_groups
-    of the bf16 output), one launch fewer; otherwise [T, heads * d] in q's dtype, as always."""
-    t, heads, d = q.shape
-    kv_heads = k_cache.shape[1]
+    of the bf16 output), one launch fewer; otherwise [T, heads * d] in q's dtype, as always.
+    ``rope`` (decode steps, d a power of two): q is the unrotated q/k/v projection, rotated and its keys and values
+    written to the cache by this kernel (Rope)."""
+    kv_heads, d = k_cache.shape[1:]
+    if rope is None:
+        t, heads, _ = q.shape
+        stride_qt, stride_qh = q.stride(0), q.stride(1)
+    else:
+        if batch.max_query_len != 1 or d & (d - 1):
+            raise ValueError("attention rotates its own queries in decode steps of a power-of-two head size only")
+        t, heads, stride_qt, stride_qh = q.shape[0], rope.heads, q.stride(0), d
     group = heads // kv_heads
     seqs = batch.seq_lens.shape[0]
     launch = launch_shape(group, batch.max_query_len, seqs * kv_heads, sm_count(q.device))
@@ -342,11 +395,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     pdl = pdl_enabled(q.device) and t <= SMALL_ROWS
     _paged_attention[grid](
         q, k_cache, v_cache, dest, batch.block_tables, batch.seq_lens, batch.query_start,
-        _none_shared(q.device) if batch.shared_prefix is None else batch.shared_prefix, scale, seqs,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), dest.stride(0), dest.stride(1),
+        _none_shared(q.device) if batch.shared_prefix is None else batch.shared_prefix,
+        *((rope.cos, rope.sin, rope.slots) if rope else (q, q, q)), scale, seqs,
+        stride_qt, stride_qh, k_cache.stride(0), k_cache.stride(1), dest.stride(0), dest.stride(1),
         batch.block_tables.stride(0), GROUP=group, GROUP_P2=triton.next_power_of_2(group), BLOCK_Q=block_q,
         BLOCK_N=block_n, PAGE=batch.block_size, D=d, D_P2=triton.next_power_of_2(d), SEQS_P2=seqs_p2,
-        DECODE_GROUP=min(decode_group, block_q), USE_PDL=pdl, SPLITS=splits,
+        DECODE_GROUP=min(decode_group, block_q), USE_PDL=pdl, SPLITS=splits, ROPE_HEADS=rope.heads if rope else 0,
         num_warps=num_warps or launch.num_warps, num_stages=num_stages or launch.num_stages, launch_pdl=pdl,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
