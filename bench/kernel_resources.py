@@ -86,7 +86,10 @@ def record(path: str, step: str, attention: dict[str, int], decode: dict[str, in
     out = paged_attention(q, k_cache, v_cache, batch, DIM**-0.5, quantize_rows=quantized, rope=rope)
     if extra := attention if batch.max_query_len > 1 else decode:
         paged_attention(q, k_cache, v_cache, batch, DIM**-0.5, quantize_rows=quantized, rope=rope, **extra)
-    o = fp8_block_gemm(out, *o_w) if triton_gemm else quantize_groups(out, quantized)[0]  # type: ignore[arg-type]
+    if triton_gemm:
+        o = fp8_block_gemm(out, *o_w)
+    elif isinstance(out, torch.Tensor):  # cuBLAS' GEMM takes it quantized; a decode step's attention did that
+        quantize_groups(out, quantized)
     h = add_rms_norm(x, o if triton_gemm else x, norm, 1e-5, quantized)
     gate_up = fp8_block_gemm(h, *gate_up_w) if triton_gemm else torch.empty(rows, 2 * INTERMEDIATE, dtype=bf16)
     act = silu_mul(gate_up[:, :INTERMEDIATE], gate_up[:, INTERMEDIATE:], quantized)

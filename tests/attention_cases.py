@@ -93,10 +93,11 @@ def check_paged_attention(device: torch.device, dtype: torch.dtype, heads: int, 
 
 
 def check_split_decode_quantized_for_the_gemm(device: torch.device, dtype: torch.dtype) -> None:
-    """A decode step split over programs hands o_proj its input quantized where asked (quantize_rows = T, head dim
-    128: a head is one group of 128): from its merge, the same fp8 codes and scales as quantize_groups of the bf16
-    output it would have returned; a step walked by one program a sequence, or rows other than T, unquantized."""
-    from engine.native.fused_ops import Quantized
+    """A decode step hands o_proj its input quantized where asked (quantize_rows = T, head dim 128: a head is one
+    group of 128): split over programs from its merge, walked once in more than SMALL_ROWS rows from the walk's own
+    store, the same fp8 codes and scales as quantize_groups of the bf16 output it would have returned; walked once
+    in fewer rows, or rows other than T, unquantized."""
+    from engine.native.fused_ops import SMALL_ROWS, Quantized
     from engine.native.triton_attention import paged_attention
     from engine.native.triton_fp8 import quantize_groups
 
@@ -115,19 +116,33 @@ def check_split_decode_quantized_for_the_gemm(device: torch.device, dtype: torch
     assert made.scale.stride() == ref_s.stride() == (1, 3) and torch.equal(made.scale, ref_s)
     one_walk = {"split_kv": 1, "block_n": 16}
     walked_once = paged_attention(q, k, v, batch, dim**-0.5, **one_walk)
-    cases = (({**one_walk, "quantize_rows": 3}, walked_once), ({**launch, "quantize_rows": 4}, plain))
+    cases = (({**one_walk, "quantize_rows": 3}, walked_once), ({**one_walk, "quantize_rows": 4}, walked_once),
+             ({**launch, "quantize_rows": 4}, plain))  # fmt: skip
     for other, unquantized in cases:
         out = paged_attention(q, k, v, batch, dim**-0.5, **other)  # type: ignore[arg-type]
         assert isinstance(out, torch.Tensor) and torch.equal(out, unquantized), other
+    many = SMALL_ROWS + 2  # a step of more rows than PDL takes: walked once, quantized by the walk's own store
+    batch = make_batch([(1 + 7 * i % 90, 1) for i in range(many)], blocks * 8, device, gen, None, 0, 0)
+    q = torch.randn(many, heads, dim, generator=gen).to(device, dtype)
+    k = torch.randn(blocks * 8 * PAGE, kv_heads, dim, generator=gen).to(device, dtype)
+    v = torch.randn(blocks * 8 * PAGE, kv_heads, dim, generator=gen).to(device, dtype)
+    walked_once = paged_attention(q, k, v, batch, dim**-0.5, block_n=16)
+    made_once = paged_attention(q, k, v, batch, dim**-0.5, quantize_rows=many, block_n=16)
+    assert isinstance(walked_once, torch.Tensor) and isinstance(made_once, Quantized) and made_once.rows == many
+    ref_q, ref_s = quantize_groups(walked_once, many)
+    assert torch.equal(made_once.q.view(torch.uint8), ref_q.view(torch.uint8))
+    assert made_once.scale.stride() == (1, many) and torch.equal(made_once.scale, ref_s)
 
 
 def check_decode_attention_rotates_and_writes_its_token(device: torch.device, dtype: torch.dtype) -> None:
     """A decode step given the unrotated q/k/v projection (triton_attention.Rope) against rope_kv_write and then the
-    same attention: the same keys and values in the cache, the same output (the rotation is one shared FMA), for
-    every way of splitting the walk (the new token in a split of its own, in a split with others; splits left
-    empty), and in a graph-shaped launch (padding sequences and rows, which write nothing)."""
+    same attention: the same keys and values in the cache, the same output (the rotation is one shared FMA), also
+    quantized for o_proj, for every way of splitting the walk (the new token in a split of
+    its own, in a split with others; splits left empty), and in a graph-shaped launch (padding sequences and rows,
+    which write nothing)."""
     from engine.native.fused_ops import Quantized, rope_kv_write
     from engine.native.triton_attention import Rope, paged_attention
+    from engine.native.triton_fp8 import quantize_groups
 
     gen = torch.Generator().manual_seed(5)
     heads, kv_heads, dim, blocks = 8, 2, 128, 64
@@ -155,6 +170,16 @@ def check_decode_attention_rotates_and_writes_its_token(device: torch.device, dt
         assert torch.equal(k[real], k_ref[real]) and torch.equal(v[real], v_ref[real]), name
         assert not torch.equal(k[new], torch.zeros_like(k[new])), name
         torch.testing.assert_close(got[:rows], expected[:rows], rtol=0, atol=0, msg=name)
+        # and quantized for o_proj (as the model asks: quantize_rows = T), from the merge or the one walk's store
+        k2, v2 = k_ref.clone(), v_ref.clone()
+        made = paged_attention(qkv, k2, v2, batch, dim**-0.5, rope=Rope(cos, sin, slots, heads),
+                               quantize_rows=rows + pad_rows, **launch)  # fmt: skip
+        assert isinstance(made, Quantized) == (split_kv != 1), name  # from the merge (one walk: past SMALL_ROWS)
+        if not isinstance(made, Quantized):
+            continue
+        ref_q, ref_s = quantize_groups(expected, rows + pad_rows)
+        assert torch.equal(made.q[:rows].view(torch.uint8), ref_q[:rows].view(torch.uint8)), name
+        assert torch.equal(made.scale[:rows], ref_s[:rows]), name
 
 
 def record_shared_prefixes(engine: Any) -> list[tuple[int, int, int]]:

@@ -60,13 +60,15 @@ DECODE_GROUP = 4  # decode rows a program of a step with a shared prefix takes t
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
-@triton.jit(do_not_specialize=["seqs"])
+@triton.jit(do_not_specialize=["seqs", "out_rows"])
 def _paged_attention(
     q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr, query_start_ptr, shared_ptr, cos_ptr, sin_ptr, slot_ptr,
-    scale, seqs, stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_table,
+    out_scale_ptr, scale, seqs, out_rows, stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh,
+    stride_table,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, SEQS_P2: tl.constexpr, DECODE_GROUP: tl.constexpr,
-    USE_PDL: tl.constexpr, SPLITS: tl.constexpr = 1, ROPE_HEADS: tl.constexpr = 0,
+    USE_PDL: tl.constexpr, SPLITS: tl.constexpr = 1, ROPE_HEADS: tl.constexpr = 0, QUANTIZE: tl.constexpr = False,
+    OUT_DTYPE: tl.constexpr = tl.bfloat16, FP8_MAX: tl.constexpr = 448.0,
 ):  # fmt: skip
     kv_head = tl.program_id(1)
     qk_scale = scale * 1.4426950408889634  # exp2 below
@@ -107,12 +109,13 @@ def _paged_attention(
         slot = tl.load(slot_ptr + q_begin).to(tl.int64)
     if SEQS_P2 == 0:  # decode: the step's lengths above (its inputs) read before the wait; the queries after it
         pdl_enter(USE_PDL)
-    q_rows = q_ptr + (q_begin + q_index)[:, None] * stride_qt + head[:, None] * stride_qh
     q_mask = row_ok[:, None] & dim_ok[None, :]
     if ROPE_HEADS > 0:
-        q = _rotated_heads(q_rows, dims, q_mask, c, s, D).to(q_ptr.dtype.element_ty)
+        q = _rotated_heads(q_ptr + (q_begin + q_index)[:, None] * stride_qt + (head * D)[:, None], dims[None, :],
+                           q_mask, c, s, D).to(OUT_DTYPE)
     else:
-        q = tl.load(q_rows + dims[None, :], mask=q_mask, other=0.0)
+        q = tl.load(q_ptr + (q_begin + q_index)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                    mask=q_mask, other=0.0)  # fmt: skip
     q_pos = context + q_index
     table = tables_ptr + seq * stride_table
     end = tl.minimum(seq_len, context + (q_block + 1) * BLOCK_Q)  # past the block's last row: invisible
@@ -143,7 +146,15 @@ def _paged_attention(
     for start in range(lo, hi, BLOCK_N):
         m_i, l_i, acc = _attend(q, q_pos, row_ok, m_i, l_i, acc, k_ptr, v_ptr, table, start, hi, kv_head,
                                 stride_ks, stride_kh, qk_scale, BLOCK_N, PAGE, D, D_P2, True, False)  # fmt: skip
-    if SPLITS == 1:
+    if QUANTIZE:  # one walk a decode row (D = GROUP): its heads quantized for o_proj here, as _merge_splits does
+        out = (acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]).to(OUT_DTYPE).to(tl.float32)
+        out_scale = tl.maximum(tl.max(tl.abs(out), axis=1), 1e-12) / FP8_MAX
+        codes = tl.clamp(out / out_scale[:, None], -FP8_MAX, FP8_MAX).to(out_ptr.dtype.element_ty)
+        t = q_begin + q_index
+        tl.store(out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :], codes,
+                 mask=row_ok[:, None])  # fmt: skip
+        tl.store(out_scale_ptr + head * out_rows + t, out_scale, mask=row_ok)  # Quantized's strides (1, rows)
+    elif SPLITS == 1:
         _store(out_ptr, acc, l_i, q_begin + q_index, head, row_ok, dims, dim_ok, stride_ot, stride_oh)
     else:  # the split's unnormalized sum and softmax state, [D sums, max, total] at out_ptr's row: _merge_splits
         part = out_ptr + (q_begin + q_index) * stride_ot + head * stride_oh + tl.program_id(2) * (D + 2)
@@ -366,9 +377,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     ``split_kv``: a decode step's positions walked by that many programs a sequence and KV head (launch_shape's
     choice unless given), whole tiles each, their partial softmaxes merged by a second kernel (_merge_splits): a few
     sequences would otherwise run a program per sequence and KV head on a GPU of 132 SMs.
-    ``quantize_rows`` (= T): where that merge runs and d is a quantization group (128), the output comes quantized
-    for o_proj's block-FP8 GEMM (engine/native/fused_ops.py's Quantized: the same codes and scales as quantize_groups
-    of the bf16 output), one launch fewer; otherwise [T, heads * d] in q's dtype, as always.
+    ``quantize_rows`` (= T): in a decode step where d is a quantization group (128), the output comes quantized for
+    o_proj's block-FP8 GEMM (engine/native/fused_ops.py's Quantized: the same codes and scales as quantize_groups of
+    the bf16 output), from the merge or, walked once in more than SMALL_ROWS rows, from the walk's own store: one
+    launch fewer; otherwise [T, heads * d] in q's dtype, as always.
     ``rope`` (decode steps, d a power of two): q is the unrotated q/k/v projection, rotated and its keys and values
     written to the cache by this kernel (Rope)."""
     kv_heads, d = k_cache.shape[1:]
@@ -385,8 +397,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_q, block_n = block_q or launch.block_q, block_n or launch.block_n
     out = torch.empty(t, heads, d, dtype=q.dtype, device=q.device)
     splits = (split_kv or launch.splits) if batch.max_query_len == 1 else 1
+    # Decode hands o_proj its input quantized where asked: from the merge, or above SMALL_ROWS rows (launches without
+    # PDL, where a launch fewer shows) from the one walk's own store. On an H100 at 128 rows 6.231 -> 6.179 ms a step;
+    # at 64, where quantize_groups starts early, 4.681 -> 4.699 (bench/results/gpu_h100_decode_quant_planes_s43.json).
+    quantized = quantized_like(out.view(t, heads * d), t) if (
+        quantize_rows == t and d == GROUP and batch.max_query_len == 1 and (splits > 1 or t > SMALL_ROWS)
+    ) else None  # fmt: skip
     # split: each program's partial sums and softmax state, [T, heads, splits, d + 2] (fp32), then merged into out
-    dest = out if splits == 1 else torch.empty(t, heads, splits, d + 2, dtype=torch.float32, device=q.device)
+    if splits > 1:
+        dest = torch.empty(t, heads, splits, d + 2, dtype=torch.float32, device=q.device)
+    else:
+        dest = quantized.q.view(t, heads, d) if quantized else out
     grid: tuple[int, ...]
     if batch.max_query_len == 1:
         grid, seqs_p2 = (seqs, kv_heads, splits), 0
@@ -396,17 +417,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _paged_attention[grid](
         q, k_cache, v_cache, dest, batch.block_tables, batch.seq_lens, batch.query_start,
         _none_shared(q.device) if batch.shared_prefix is None else batch.shared_prefix,
-        *((rope.cos, rope.sin, rope.slots) if rope else (q, q, q)), scale, seqs,
+        *((rope.cos, rope.sin, rope.slots) if rope else (out, out, out)),
+        quantized.scale if quantized and splits == 1 else out, scale, seqs, t,
         stride_qt, stride_qh, k_cache.stride(0), k_cache.stride(1), dest.stride(0), dest.stride(1),
         batch.block_tables.stride(0), GROUP=group, GROUP_P2=triton.next_power_of_2(group), BLOCK_Q=block_q,
         BLOCK_N=block_n, PAGE=batch.block_size, D=d, D_P2=triton.next_power_of_2(d), SEQS_P2=seqs_p2,
         DECODE_GROUP=min(decode_group, block_q), USE_PDL=pdl, SPLITS=splits, ROPE_HEADS=rope.heads if rope else 0,
+        QUANTIZE=quantized is not None and splits == 1, OUT_DTYPE=_TL_DTYPES[q.dtype], FP8_MAX=FP8_MAX,
         num_warps=num_warps or launch.num_warps, num_stages=num_stages or launch.num_stages, launch_pdl=pdl,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
     if splits == 1:
-        return out.view(t, heads * d)
-    quantized = quantized_like(out.view(t, heads * d), t) if quantize_rows == t and d == GROUP else None
+        return quantized or out.view(t, heads * d)
     merged = quantized.q if quantized else out
     _merge_splits[(t, heads)](
         dest, merged, quantized.scale if quantized else merged, dest.stride(0), dest.stride(1), merged.stride(0),
