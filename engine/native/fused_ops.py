@@ -47,13 +47,21 @@ def quantized_like(x: torch.Tensor, rows: int) -> Quantized:
 
 
 @triton.jit
+def group_codes(groups, FP8_MAX: tl.constexpr):
+    """Rows of one quantization group each (fp32 holding the rounded values) -> their e4m3 codes (still fp32) and
+    each row's scale: the one definition quantize_groups, the fused norm/activation stores and the attention's use,
+    so that their codes agree bit for bit."""
+    scale = tl.maximum(tl.max(tl.abs(groups), axis=1), 1e-12) / FP8_MAX
+    return tl.clamp(groups / scale[:, None], -FP8_MAX, FP8_MAX), scale
+
+
+@triton.jit
 def store_groups(q_ptr, s_ptr, row, rows, n_cols, first, y, BLOCK: tl.constexpr, GROUP: tl.constexpr,
                  FP8_MAX: tl.constexpr):  # fmt: skip
     """Columns first..first+BLOCK-1 of one row (y: fp32 holding bf16 values, zeros past n_cols, a multiple of
     GROUP), quantized as quantize_groups does it: q at [row, col], the scale of group g at g * rows + row."""
-    groups = tl.reshape(y, (BLOCK // GROUP, GROUP))
-    scale = tl.maximum(tl.max(tl.abs(groups), axis=1), 1e-12) / FP8_MAX
-    q = tl.reshape(tl.clamp(groups / scale[:, None], -FP8_MAX, FP8_MAX), (BLOCK,))
+    codes, scale = group_codes(tl.reshape(y, (BLOCK // GROUP, GROUP)), FP8_MAX)
+    q = tl.reshape(codes, (BLOCK,))
     cols = first + tl.arange(0, BLOCK)
     tl.store(q_ptr + row * n_cols + cols, q.to(q_ptr.dtype.element_ty), mask=cols < n_cols)
     g = first // GROUP + tl.arange(0, BLOCK // GROUP)

@@ -47,6 +47,7 @@ from engine.native.fused_ops import (
     GROUP,
     SMALL_ROWS,
     Quantized,
+    group_codes,
     pdl_enabled,
     pdl_enter,
     quantized_like,
@@ -148,11 +149,10 @@ def _paged_attention(
                                 stride_ks, stride_kh, qk_scale, BLOCK_N, PAGE, D, D_P2, True, False)  # fmt: skip
     if QUANTIZE:  # one walk a decode row (D = GROUP): its heads quantized for o_proj here, as _merge_splits does
         out = (acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]).to(OUT_DTYPE).to(tl.float32)
-        out_scale = tl.maximum(tl.max(tl.abs(out), axis=1), 1e-12) / FP8_MAX
-        codes = tl.clamp(out / out_scale[:, None], -FP8_MAX, FP8_MAX).to(out_ptr.dtype.element_ty)
+        codes, out_scale = group_codes(out, FP8_MAX)
         t = q_begin + q_index
-        tl.store(out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :], codes,
-                 mask=row_ok[:, None])  # fmt: skip
+        tl.store(out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+                 codes.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])  # fmt: skip
         tl.store(out_scale_ptr + head * out_rows + t, out_scale, mask=row_ok)  # Quantized's strides (1, rows)
     elif SPLITS == 1:
         _store(out_ptr, acc, l_i, q_begin + q_index, head, row_ok, dims, dim_ok, stride_ot, stride_oh)

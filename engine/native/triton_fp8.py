@@ -38,7 +38,16 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.native.fused_ops import FP8_MAX, GROUP, SMALL_ROWS, Quantized, pdl_enabled, pdl_enter, sm_count
+from engine.native.fused_ops import (
+    FP8_MAX,
+    GROUP,
+    SMALL_ROWS,
+    Quantized,
+    group_codes,
+    pdl_enabled,
+    pdl_enter,
+    sm_count,
+)
 
 BLOCK_K = 128
 MAX_SPLIT = 16  # the most K splits a launch picks: the partial sums' traffic grows with them
@@ -202,8 +211,7 @@ def _quantize_groups(x_ptr, q_ptr, s_ptr, M, stride_xm, stride_qm, rows, FP8_MAX
     group = tl.program_id(1)
     cols = group * GROUP + tl.arange(0, GROUP)
     x = tl.load(x_ptr + r[:, None] * stride_xm + cols[None, :], mask=(r < M)[:, None], other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / FP8_MAX
-    q = tl.clamp(x / scale[:, None], -FP8_MAX, FP8_MAX)
+    q, scale = group_codes(x, FP8_MAX)
     tl.store(q_ptr + r[:, None] * stride_qm + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=(r < rows)[:, None])
     tl.store(s_ptr + group * rows + r, scale, mask=r < rows)  # column-major: strides (1, rows)
 
