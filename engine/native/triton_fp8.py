@@ -22,6 +22,9 @@ by the next GEMM's (the same memory, from the graph's pool) instead of written b
 Evict-first on the weights, evict-last on the activations and dropping the planes' lines unwritten after the sum
 (discard.global.L2) gained nothing more or lost (bench/results/gpu_h100_l2_hints_s42.json).
 
+Each decode-size program asks the L2 for the first bytes of its weight rows before its PDL wait (prefetch_bytes), so
+that its first loads need not start from HBM when the kernel ahead of it ends.
+
 The activations are quantized once per GEMM, not by every program that reads them (each of the
 N / BLOCK_N programs of a row tile used to quantize the same rows again): on the H200, for
 llama3-8b's four layer GEMMs, 79 us against 91 at M = 1, 85 against 96 at 16, and 98 and 105 us
@@ -52,19 +55,25 @@ from engine.native.fused_ops import (
 BLOCK_K = 128
 MAX_SPLIT = 16  # the most K splits a launch picks: the partial sums' traffic grows with them
 MIN_WALK = 8  # the fewest K blocks a split program walks: shorter walks are mostly their pipeline's start and end
+PREFETCH_TMA, PREFETCH_LOADS = 256, 128  # prefetch_bytes; 0 switches the prefetch off (benchmarks compare)
 SUM_ROWS = 4  # rows of a tile per program of split-K's _sum_planes
 
 
 @triton.jit
 def _fp8_block_gemm(
-    xq_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, M, N, stride_xm, stride_xs, stride_wn, stride_sn,
+    xq_ptr, xs_ptr, w_ptr, w_mem_ptr, s_ptr, out_ptr, part_ptr, M, N, stride_xm, stride_xs, stride_wn, stride_sn,
     stride_om, SPLITS: tl.constexpr, K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, TMA: tl.constexpr, USE_PDL: tl.constexpr, KEEP: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):  # fmt: skip
-    pdl_enter(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
+    if PREFETCH > 0:  # the weight is never written: its first bytes towards the L2 while the kernel ahead runs
+        lines = pid_k * K_PER_SPLIT + tl.arange(0, PREFETCH // 128) * 128
+        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        _prefetch_l2(w_mem_ptr + rows[:, None] * stride_wn + lines[None, :])
+    pdl_enter(USE_PDL)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -95,6 +104,14 @@ def _fp8_block_gemm(
         offs, plane = _plane_offsets(pid_n, pid_m, tl.arange(0, BLOCK_M), tl.num_programs(0), tl.num_programs(2),
                                      BLOCK_M, BLOCK_N)  # fmt: skip
         tl.store(part_ptr + pid_k * plane + offs, acc, mask=m_mask, eviction_policy=KEEP)
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """One L2 prefetch a pointer (a 128-byte line each): fire and forget, through the load/store units, not the TMA
+    unit (Hopper's bulk L2 prefetch queued the TMA loads of the weights behind it: slower, docs/benchmarks.md)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)  # fmt: skip
 
 
 @triton.jit
@@ -158,11 +175,13 @@ def fp8_block_gemm(x: torch.Tensor | Quantized, w: torch.Tensor, s: torch.Tensor
     part = torch.empty(split_k * tiles * block_m * block_n if split_k > 1 else 1, dtype=torch.float32,
                        device=xq.device)  # fmt: skip
     w_arg = _tensor_descriptor().from_tensor(w, [block_n, BLOCK_K]) if tma else w
+    pdl = pdl_enabled(xq.device) and decode
     _fp8_block_gemm[(n_programs, split_k, m_tiles)](
-        xq, xs, w_arg, s, out, part, m, np_, xq.stride(0), xs.stride(1), w.stride(0),
+        xq, xs, w_arg, w, s, out, part, m, np_, xq.stride(0), xs.stride(1), w.stride(0),
         s.stride(0), out.stride(0), SPLITS=split_k, K_PER_SPLIT=kp // split_k, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=BLOCK_K, SWAP_AB=swap_ab, TMA=tma, num_warps=num_warps, num_stages=num_stages,
-        USE_PDL=(pdl := pdl_enabled(xq.device) and decode), launch_pdl=pdl, KEEP="evict_last" if decode else "",
+        USE_PDL=pdl, launch_pdl=pdl, KEEP="evict_last" if decode else "",
+        PREFETCH=min(prefetch_bytes(tma), kp // split_k) if pdl else 0,
     )  # fmt: skip
     if split_k > 1:
         _sum_planes[(n_programs, m_tiles, block_m // SUM_ROWS)](
@@ -170,6 +189,14 @@ def fp8_block_gemm(x: torch.Tensor | Quantized, w: torch.Tensor, s: torch.Tensor
             num_warps=4, launch_pdl=pdl,
         )  # fmt: skip
     return out
+
+
+def prefetch_bytes(tma: bool) -> int:
+    """Bytes of each weight row a decode GEMM program asks the L2 for before its PDL wait: its first loads then hit
+    the L2 instead of starting when the kernel ahead ends. Best of 128 / 256 / 512 / 1,024 in the graphed decode step
+    (H100, docs/benchmarks.md): 256 where the weights come by TMA (1-16 rows: -2.9% at one row), 128 through plain
+    loads (32-64 rows: -1.3%); 1,024 is slower than none. A power of two lines of 128 bytes, or 0 for none."""
+    return PREFETCH_TMA if tma else PREFETCH_LOADS
 
 
 def row_tile(m: int) -> int:
