@@ -84,6 +84,15 @@ def pdl_enter(USE_PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may be scheduled now
 
 
+@triton.jit
+def prefetch_l2(ptrs):
+    """One L2 prefetch a pointer (its 128-byte line): fire and forget, nothing held, through the load/store units
+    (Hopper's bulk L2 prefetch goes through the TMA unit and queued the weights' TMA loads behind it: slower,
+    docs/benchmarks.md). Before a PDL wait, for what the kernel ahead does not write."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)  # fmt: skip
+
+
 @functools.cache
 def pdl_enabled(device: torch.device) -> bool:
     return PDL and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9

@@ -49,6 +49,7 @@ from engine.native.fused_ops import (
     group_codes,
     pdl_enabled,
     pdl_enter,
+    prefetch_l2,
     sm_count,
 )
 
@@ -72,7 +73,7 @@ def _fp8_block_gemm(
     if PREFETCH > 0:  # the weight is never written: its first bytes towards the L2 while the kernel ahead runs
         lines = pid_k * K_PER_SPLIT + tl.arange(0, PREFETCH // 128) * 128
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        _prefetch_l2(w_mem_ptr + rows[:, None] * stride_wn + lines[None, :])
+        prefetch_l2(w_mem_ptr + rows[:, None] * stride_wn + lines[None, :])
     pdl_enter(USE_PDL)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -104,14 +105,6 @@ def _fp8_block_gemm(
         offs, plane = _plane_offsets(pid_n, pid_m, tl.arange(0, BLOCK_M), tl.num_programs(0), tl.num_programs(2),
                                      BLOCK_M, BLOCK_N)  # fmt: skip
         tl.store(part_ptr + pid_k * plane + offs, acc, mask=m_mask, eviction_policy=KEEP)
-
-
-@triton.jit
-def _prefetch_l2(ptrs):
-    """One L2 prefetch a pointer (a 128-byte line each): fire and forget, through the load/store units, not the TMA
-    unit (Hopper's bulk L2 prefetch queued the TMA loads of the weights behind it: slower, docs/benchmarks.md)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)  # fmt: skip
 
 
 @triton.jit
