@@ -257,7 +257,10 @@ def test_engine_kernels_of_llama3_8b_steps_spill_no_registers_and_pipeline_their
     wrappers with the step's shapes), compiled for sm_90 as the JIT specializes it, keeps its values in registers (a
     spill goes to local memory, a cliff the interpreter cannot show), and the attention and GEMM kernels' loops copy
     their tiles to shared memory asynchronously (the pipeliner gave up on none of their loads: without it every tile
-    waits for its load)."""
+    waits for its load). Each decode GEMM launch prefetches the first bytes of its weight rows before its PDL wait,
+    as many as triton_fp8.prefetch_bytes gives its load path, within its K split."""
+    from engine.native.triton_fp8 import prefetch_bytes
+
     out = tmp_path / "resources.json"
     run = subprocess.run([sys.executable, "bench/kernel_resources.py", "--out", str(out)], cwd=REPO,
                          capture_output=True, text=True, timeout=900)  # fmt: skip
@@ -271,3 +274,7 @@ def test_engine_kernels_of_llama3_8b_steps_spill_no_registers_and_pipeline_their
             assert launch["spilled"] == 0, (step, launch)
             if launch["kernel"] in ("_paged_attention", "_fp8_block_gemm"):
                 assert launch["async_copies"] > 0, (step, launch)
+            if launch["kernel"] == "_fp8_block_gemm":
+                choices = launch["choices"]
+                assert choices["PREFETCH"] == prefetch_bytes(choices["TMA"]) > 0, (step, choices)
+                assert choices["PREFETCH"] <= choices["K_PER_SPLIT"], (step, choices)
