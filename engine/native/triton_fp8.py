@@ -187,8 +187,8 @@ def fp8_block_gemm(x: torch.Tensor | Quantized, w: torch.Tensor, s: torch.Tensor
 def prefetch_bytes(tma: bool) -> int:
     """Bytes of each weight row a decode GEMM program asks the L2 for before its PDL wait: its first loads then hit
     the L2 instead of starting when the kernel ahead ends. Best of 128 / 256 / 512 / 1,024 in the graphed decode step
-    (H100, docs/benchmarks.md): 256 where the weights come by TMA (1-16 rows: -2.9% at one row), 128 through plain
-    loads (32-64 rows: -1.3%); 1,024 is slower than none. A power of two lines of 128 bytes, or 0 for none."""
+    (H100, docs/benchmarks.md): 256 where the weights come by TMA (1-16 rows: -3.1% at one row), 128 through plain
+    loads (32-64 rows: -1.1 to -1.3%); 1,024 is slower than none. A power of two lines of 128 bytes, or 0 for none."""
     return PREFETCH_TMA if tma else PREFETCH_LOADS
 
 
