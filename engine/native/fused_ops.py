@@ -87,8 +87,8 @@ def pdl_enter(USE_PDL: tl.constexpr):
 @triton.jit
 def prefetch_l2(ptrs):
     """One L2 prefetch a pointer (its 128-byte line): fire and forget, nothing held, through the load/store units
-    (Hopper's bulk L2 prefetch goes through the TMA unit and queued the weights' TMA loads behind it: slower,
-    docs/benchmarks.md). Before a PDL wait, for what the kernel ahead does not write."""
+    (Hopper's bulk L2 prefetch, through the TMA unit, made the decode step slower, likely by queueing the weights'
+    TMA loads behind it: docs/benchmarks.md). Before a PDL wait, for what the kernel ahead does not write."""
     tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
                               is_pure=False, pack=1)  # fmt: skip
 
