@@ -70,16 +70,15 @@ def _fp8_block_gemm(
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_begin = pid_k * K_PER_SPLIT
     if PREFETCH > 0:  # the weight is never written: its first bytes towards the L2 while the kernel ahead runs
-        lines = pid_k * K_PER_SPLIT + tl.arange(0, PREFETCH // 128) * 128
-        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        prefetch_l2(w_mem_ptr + rows[:, None] * stride_wn + lines[None, :])
+        lines = k_begin + tl.arange(0, PREFETCH // 128) * 128
+        prefetch_l2(w_mem_ptr + offs_n[:, None] * stride_wn + lines[None, :])
     pdl_enter(USE_PDL)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m[:, None] < M
-    k_begin = pid_k * K_PER_SPLIT
     if SWAP_AB:  # weight rows as the MMA's M side (wgmma's is 64 rows), the few tokens as its N side
         acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
