@@ -108,6 +108,7 @@ def table(compiled: list[dict]) -> list[dict]:
         rows.append({"kernel": launch["name"], "choices": {**constants, **launch["options"]},
                      "registers": launch["registers"], "spilled": launch["spilled"], "shared": launch["shared"],
                      "programs_per_sm": launch["programs_per_sm"], "async_copies": launch["async_copies"],
+                     "prefetches_before_wait": launch["prefetches_before_wait"],
                      "programs": programs, "waves": round(programs / held, 2) if held else None})  # fmt: skip
     return rows
 

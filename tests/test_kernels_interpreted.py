@@ -278,3 +278,4 @@ def test_engine_kernels_of_llama3_8b_steps_spill_no_registers_and_pipeline_their
                 choices = launch["choices"]
                 assert choices["PREFETCH"] == prefetch_bytes(choices["TMA"]) > 0, (step, choices)
                 assert choices["PREFETCH"] <= choices["K_PER_SPLIT"], (step, choices)
+                assert launch["prefetches_before_wait"] > 0, (step, launch)  # issued while the kernel ahead runs

@@ -134,7 +134,8 @@ SM90 = {"registers": 65536, "shared": 232448, "warps": 64, "blocks": 32}  # per 
 def resources(binary) -> dict[str, object]:  # type: ignore[no-untyped-def]
     """What a compiled kernel uses (registers a thread, bytes of local memory a thread: spills, shared memory a
     block), the programs an SM holds at once with those (from the per-SM limits), and its loads that copy to shared
-    memory asynchronously (what the pipeliner made of a loop's loads: none means every tile waits for its load).
+    memory asynchronously (what the pipeliner made of a loop's loads: none means every tile waits for its load), and
+    its L2 prefetches placed before its PDL wait (the PTX's ``prefetch.global.L2`` ahead of ``griddepcontrol.wait``).
     Registers and local memory from cuobjdump (Triton's NVIDIA backend carries it)."""
     import re
     import subprocess
@@ -158,5 +159,8 @@ def resources(binary) -> dict[str, object]:  # type: ignore[no-untyped-def]
                  SM90["blocks"])  # fmt: skip
     ttgir = binary.asm["ttgir"]
     copies = ttgir.count("async_copy_global_to_local") + ttgir.count("async_tma_copy_global_to_local")
+    ptx = binary.asm["ptx"]
+    wait = ptx.find("griddepcontrol.wait")
+    early_prefetches = ptx.count("prefetch.global.L2", 0, wait) if wait >= 0 else 0
     return {"registers": registers, "spilled": stack + local, "shared": shared, "programs_per_sm": per_sm,
-            "async_copies": copies}  # fmt: skip
+            "async_copies": copies, "prefetches_before_wait": early_prefetches}  # fmt: skip
