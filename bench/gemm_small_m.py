@@ -2,6 +2,8 @@
 scaled_mm; the llama3-8b layer shapes, weights rotated through copies that outgrow L2 (a decode step reads each
 weight once). bench/results/gpu_gemm_small_m.json is the run that chose the kernel's defaults: there "triton" was
 its predecessor, which quantized the activations in every program, and "prequantized" a copy of today's kernel.
+With --deep-gemm: the engine's kernel on activations quantized beforehand (as the norms hand them over), cuBLAS, and
+DeepGEMM's FP8 GEMM (same scales; its JIT needs nvcc and an sm_90a card) on the same quantized activations.
 
     PYTHONPATH=/tmp/site:$PWD python3 bench/gemm_small_m.py --out $OUT   # on the device machine: gemm_small_m.json
 """
@@ -14,6 +16,8 @@ import json
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -37,6 +41,42 @@ def cublas(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     y = scaled_mm(xq, w.t(), xs, ScalingType.BlockWise1x128, s.t(), ScalingType.BlockWise128x128,
                   output_dtype=torch.bfloat16)  # fmt: skip
     return y[:m]
+
+
+def deep_gemm_or_none():  # type: ignore[no-untyped-def]
+    """DeepGEMM's module, or None where it is not installed or the card is not an sm_90 one."""
+    try:
+        import deep_gemm  # type: ignore[import-not-found]
+    except ImportError as exc:
+        print(json.dumps({"deep_gemm": f"not available: {exc}"}), flush=True)
+        return None
+    return deep_gemm if torch.cuda.get_device_capability() == (9, 0) else None
+
+
+def compile_deep_gemm(deep_gemm, shapes: list[tuple[int, int, int]]) -> float:  # type: ignore[no-untyped-def]
+    """Build DeepGEMM's kernel for every (M, N, K) before anything is timed (its JIT compiles one per shape, M
+    included): nvcc runs in parallel threads. Seconds taken."""
+    start = time.perf_counter()
+
+    def build(shape: tuple[int, int, int]) -> None:
+        torch.cuda.set_device(0)
+        m, n, k = shape
+        w = torch.zeros(n, k, device="cuda", dtype=torch.float8_e4m3fn)
+        xq, xs = quantize_groups(torch.zeros(m, k, device="cuda", dtype=torch.bfloat16), m)
+        out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        deep_gemm.gemm_fp8_fp8_bf16_nt((xq, xs), (w, torch.ones(n // 128, k // 128, device="cuda")), out)
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        list(pool.map(build, shapes))
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def run_deep_gemm(deep_gemm, xq: Quantized, out: torch.Tensor, _x: torch.Tensor, w: torch.Tensor,  # type: ignore[no-untyped-def]
+                  s: torch.Tensor) -> torch.Tensor:
+    """DeepGEMM on the activations quantized beforehand (its scales' layout is quantize_groups' at rows padded to 4)."""
+    deep_gemm.gemm_fp8_fp8_bf16_nt((xq.q[: xq.rows], xq.scale[: xq.rows]), (w, s), out)
+    return out
 
 
 def weight_copies(n: int, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -100,11 +140,17 @@ def main() -> None:
                         help="sweep swap-AB (weight rows on the MMA's M side) and TMA weight loads with block_n "
                              "64/128, 4/8 warps, 3/5 stages at the launch rule's split, then splits 1-16 for each row "
                              "count's and GEMM's three best")  # fmt: skip
+    parser.add_argument("--deep-gemm", action="store_true",
+                        help="only the engine's kernel on prequantized activations, cuBLAS and DeepGEMM")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     rows: list[dict[str, object]] = []
     began = time.perf_counter()
+    deep_gemm = deep_gemm_or_none() if args.deep_gemm else None
+    if deep_gemm is not None:
+        shapes = [(m, n, k) for m in map(int, args.rows.split(",")) for n, k in GEMMS.values()]
+        print(json.dumps({"deep_gemm_compile_s": round(compile_deep_gemm(deep_gemm, shapes), 1)}), flush=True)
     for name, (n, k) in GEMMS.items():
         copies = weight_copies(n, k)
         for m in (int(r) for r in args.rows.split(",")):
@@ -122,6 +168,13 @@ def main() -> None:
             splits = [int(v) for v in args.splits.split(",") if v and (k // 128) % int(v) == 0]
             if splits or args.explore:
                 variants = {"triton": variants["triton"], **({"cublas": cublas} if m >= 4 else {})}
+            if args.deep_gemm:
+                xq = Quantized(*quantize_groups(x, -(-m // 4) * 4), x.dtype, m)
+                variants = {"triton": lambda x, w, s, xq=xq: fp8_block_gemm(xq, w, s),
+                            **({"cublas": cublas} if m >= 4 else {})}  # fmt: skip
+                if deep_gemm is not None:
+                    variants["deep_gemm"] = partial(run_deep_gemm, deep_gemm, xq, torch.empty(m, n, device="cuda",
+                                                                                          dtype=torch.bfloat16))
             launches: dict[str, dict[str, object]] = {}  # --explore's launch choices, by label
             if args.explore:
                 for swap, tma, bn, warps, stages in itertools.product((False, True), (False, True), (64, 128), (4, 8),

@@ -8,6 +8,11 @@ activations are quantized), "blockwise_alone" on operands already quantized (as 
 over the other GEMMs'). Then cuBLAS' FP8 GEMM with one scale per tensor (no block scales: the device's FP8 ceiling
 through cuBLAS) and a bf16 matmul. Each is turned into the 32 layers' GEMM milliseconds for the first round.
 
+Where DeepGEMM can be imported (its JIT needs nvcc and an sm_90a card), "deep_gemm" times its FP8 GEMM with the same
+scales (1x128 activations, 128x128 weights) on the same quantized operands, and each row gives its largest difference
+from cuBLAS' blockwise output, relative to that output's largest magnitude. Its kernels are compiled per shape (M
+included) first, in parallel, before anything is timed.
+
     PYTHONPATH=/tmp/site:$PWD python3 bench/prefill_bound.py --out $OUT/prefill_bound.json
 """
 
@@ -22,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.gemm_small_m import GEMMS, cublas
+from bench.gemm_small_m import GEMMS, compile_deep_gemm, cublas, deep_gemm_or_none
 from bench.gpu_step_profile import graphed_us
 from engine.native.triton_fp8 import quantize_groups
 
@@ -39,7 +44,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     rows: list[dict[str, object]] = []
-    for m in (int(r) for r in args.rows.split(",")):
+    ms = [int(r) for r in args.rows.split(",")]
+    deep_gemm = deep_gemm_or_none()
+    if deep_gemm is not None:
+        seconds = compile_deep_gemm(deep_gemm, [(m, n, k) for m in ms for n, k in GEMMS.values()])
+        print(json.dumps({"deep_gemm_compile_s": round(seconds, 1), "kernels": len(ms) * len(GEMMS)}), flush=True)
+    for m in ms:
         layer: dict[str, float] = {}
         for name, (n, k) in GEMMS.items():
             w = (torch.randn(n, k, device="cuda") / 4).to(torch.float8_e4m3fn)
@@ -47,6 +57,7 @@ def main() -> None:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             xq, xs = quantize_groups(x, m)
             one = torch.ones((), device="cuda")
+            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
             wb = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
             variants = {
                 "engine": lambda: cublas(x, w, s),
@@ -56,10 +67,17 @@ def main() -> None:
                                                     ScalingType.TensorWise, output_dtype=torch.bfloat16),
                 "bf16": lambda: x @ wb.t(),
             }  # fmt: skip
+            if deep_gemm is not None:
+                variants["deep_gemm"] = lambda: deep_gemm.gemm_fp8_fp8_bf16_nt((xq, xs), (w, s), out)
+            reference = variants["blockwise_alone"]().float()
             for label, fn in variants.items():
                 us = graphed_us(fn, calls=10)
                 row = {"m": m, "gemm": name, "variant": label, "us": round(us, 2),
                        "tflops": round(2 * m * n * k / us / 1e6, 1)}  # fmt: skip
+                if label == "deep_gemm":
+                    fn()
+                    diff = (out.float() - reference).abs().max() / reference.abs().max()
+                    row["max_diff_vs_blockwise"] = float(diff)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 layer[label] = layer.get(label, 0.0) + us
