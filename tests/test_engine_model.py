@@ -614,3 +614,21 @@ def test_every_mixed_step_replays_a_graph_it_fills_by_two_thirds_above_512_token
         graph = next(s for s in sizes if s >= tokens)
         if tokens > 512:
             assert graph - tokens < graph / 3, (tokens, graph)
+
+
+def test_block_fp8_rows_are_padded_where_a_library_gemm_may_take_them() -> None:
+    """Above 32 rows (DeepGEMM's bound, under cuBLAS' 64) the norms pad a block-FP8 layer's quantized rows to 4, the
+    layout both libraries take; DeepGEMM is built for the graphs' sizes above 32 rows only, and never on the CPU."""
+    from cache.processors.native import FP8_BLOCK_SCALED_MM
+    from engine.native.deep_gemm import DeepGemm
+    from engine.native.kernels import DEEP_GEMM_SMALL_M, cublas_sized, deep_gemm_rows, quantized_rows
+
+    assert DEEP_GEMM_SMALL_M == 32
+    wide = LinearRecipe(FP8_BLOCK_SCALED_MM, "fp8-block", "dynamic-per-token-group-128", 4096, 4096, 4096, 4096)
+    narrow = LinearRecipe(FP8_BLOCK_SCALED_MM, "fp8-block", "dynamic-per-token-group-128", 640, 640, 640, 640)
+    assert cublas_sized(wide) and not cublas_sized(narrow)  # 5 scale blocks: cuBLAS refuses it
+    assert [quantized_rows(wide, m) for m in (1, 31, 32, 33, 45, 48, 64, 65, 1001)] == [1, 31, 32, 36, 48, 48, 64,
+                                                                                          68, 1004]  # fmt: skip
+    assert [quantized_rows(narrow, m) for m in (33, 45, 65)] == [33, 45, 65]
+    assert deep_gemm_rows([1, 2, 16, 24, 32, 48, 50, 64, 128, 1024]) == [48, 52, 64, 128, 1024]
+    assert DeepGemm.load(torch.device("cpu")) is None

@@ -282,10 +282,10 @@ def test_norm_and_activation_quantized_for_the_gemm_equal_quantize_groups_bit_fo
 
 @pytest.mark.parametrize(("n", "k"), [(4096, 14336), (1024, 2048), (640, 1536)])
 def test_block_fp8_layer_gives_the_same_output_from_activations_the_activation_kernel_quantized(n: int, k: int) -> None:
-    """engine/native/kernels.py's quantized_rows at every size the model asks: the Triton GEMM's rows as they are,
-    cuBLAS' padded to a multiple of 4 (1,001 -> 1,004), and for weights whose scale blocks cuBLAS refuses (640
-    columns: 5 blocks) the Triton GEMM's at any size; SiLU-and-multiply quantizing for the layer gives the layer's
-    output bit for bit as from its unquantized output."""
+    """engine/native/kernels.py's quantized_rows at every size the model asks: the Triton GEMM's rows as they are up
+    to 32, above that padded to a multiple of 4 for cuBLAS and DeepGEMM (1,001 -> 1,004), and for weights whose
+    scale blocks cuBLAS refuses (640 columns: 5 blocks) the Triton GEMM's at any size; SiLU-and-multiply quantizing
+    for the layer gives the layer's output bit for bit as from its unquantized output."""
     from engine.native.fused_ops import silu_mul
     from engine.native.kernels import fp8_block_scaled_mm, quantized_rows
 
@@ -296,7 +296,7 @@ def test_block_fp8_layer_gives_the_same_output_from_activations_the_activation_k
     tensors, recipe = process_linear(BLOCK, FP8_BLOCK_SCALED_MM, {"weight": q, "weight_scale": s}, torch.bfloat16, dev)
     for m in (1, 64, 65, 301, 1001, 2048):
         rows = quantized_rows(recipe, m)
-        assert rows == (m + -m % 4 if m > 64 and n % 512 == 0 else m)
+        assert rows == (m + -m % 4 if m > 32 and n % 512 == 0 else m)
         gate_up = torch.randn(m, 2 * k, device=dev, generator=gen).to(torch.bfloat16) * 3
         gate, up = gate_up[:, :k], gate_up[:, k:]
         got = fp8_block_scaled_mm(silu_mul(gate, up, quantize_rows=rows), tensors, recipe)  # type: ignore[arg-type]
@@ -326,6 +326,39 @@ def test_rowwise_fp8_kernel_matches_dequantized_reference_for_every_m(kind: Weig
         got = fp8_rowwise_scaled_mm(x, tensors, recipe).float()
         assert got.shape == (m, n)
         assert float((got - ref).norm() / ref.norm()) < 1e-2, m
+
+
+def test_deep_gemm_gives_cublas_blockwise_bits_and_only_its_prepared_sizes() -> None:
+    """Where DeepGEMM is installed (engine/native/deep_gemm.py), its kernel gives cuBLAS' blockwise GEMM's output
+    bit for bit, at the rows an engine's steps pad to 4 and at others (compiled on the call). Only graphs being
+    captured take it, at the sizes built (the engine calls cuBLAS elsewhere rather than compile on a step's path)."""
+    from torch.nn.functional import ScalingType, scaled_mm
+
+    from engine.native.deep_gemm import DeepGemm
+    from engine.native.triton_fp8 import quantize_groups
+
+    dev = torch.device("cuda")
+    deep = DeepGemm.load(dev)
+    if deep is None:
+        pytest.skip("DeepGEMM is not installed here (or no nvcc): the engine uses cuBLAS alone")
+    gen = torch.Generator(device=dev).manual_seed(3)
+    weights = []
+    for n, k in [(4096, 4096), (6144, 4096), (4096, 14336), (1536, 1024)]:
+        w = (torch.randn(n, k, device=dev, generator=gen) * 0.02).to(torch.bfloat16)
+        weights.append(quantize_weight(w, WeightKind.FP8_BLOCK))
+    rows = [68, 96, 132, 256, 1024]
+    assert deep.prepare(weights, rows) >= len(weights)
+    assert not deep.ready(1024, *weights[0][0].shape), "eager calls take cuBLAS"
+    with torch.cuda.graph(torch.cuda.CUDAGraph()):
+        assert not deep.ready(1024, 2048, 1024), "a weight shape never prepared"
+        assert all(deep.ready(m, *q.shape) for q, _ in weights for m in rows)
+    for q, s in weights:
+        for m in [*rows, 1000]:
+            x = torch.randn(m - 3, q.shape[1], device=dev, generator=gen).to(torch.bfloat16)
+            xq, xs = quantize_groups(x, m)  # the last 3 rows zeros, as the engine pads rows to 4
+            want = scaled_mm(xq, q.t(), xs, ScalingType.BlockWise1x128, s.t(), ScalingType.BlockWise128x128,
+                             output_dtype=torch.bfloat16)  # fmt: skip
+            assert torch.equal(deep.gemm(xq, xs, q, s), want), (q.shape, m)
 
 
 @pytest.mark.parametrize(("n", "k", "split_k"), [(4096, 4096, 8), (6144, 4096, 4), (4096, 14336, 8), (1024, 2048, 2)])

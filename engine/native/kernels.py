@@ -9,12 +9,16 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from cache.checkpoint.schemes import FP8_BLOCK, FP8_MAX
 from cache.processors.native import DENSE, FP8_BLOCK_SCALED_MM, FP8_DEQUANT, FP8_ROWWISE_SCALED_MM, LinearRecipe
+
+if TYPE_CHECKING:
+    from engine.native.deep_gemm import DeepGemm
 
 FP8 = torch.float8_e4m3fn
 Tensors = dict[str, torch.Tensor]
@@ -64,6 +68,11 @@ def _finish(y: torch.Tensor, t: Tensors, r: LinearRecipe) -> torch.Tensor:
 # at 96 rows (bench/results/gpu_step_profile_fused_quant.json's "gemms", one weight copy). WARMGATE_FP8_SMALL_M
 # overrides it, for benchmarks.
 SMALL_M = int(os.environ.get("WARMGATE_FP8_SMALL_M", "64"))
+# Above this many rows DeepGEMM's kernel is used where the engine has one built (engine/native/deep_gemm.py): on the
+# H100, llama3-8b's four layer GEMMs (weights from HBM) take 90.7 us against Triton's 99.3 at 64 rows and 103.7
+# against 93.9 at 32 (bench/results/gpu_h100_deep_gemm_s46.json); the graphed batch-64 decode step 4.600 -> 4.470 ms.
+# WARMGATE_DEEP_GEMM_SMALL_M overrides it, for benchmarks.
+DEEP_GEMM_SMALL_M = int(os.environ.get("WARMGATE_DEEP_GEMM_SMALL_M", "32"))
 # cuBLAS' blockwise kernels (torch 2.11 + CUDA 13 on the H200) refuse every M that is not a multiple
 # of 4 (CUBLAS_STATUS_NOT_SUPPORTED from the heuristic query): the fp32 activation scales are
 # column-major with leading dimension M (16-byte alignment would explain the rule). torch insists
@@ -76,11 +85,12 @@ def _cublas_blockwise(r: LinearRecipe) -> bool:
     return (r.padded_out // FP8_BLOCK) % 4 == 0 and (r.padded_in // FP8_BLOCK) % 4 == 0
 
 
-def fp8_block_scaled_mm(x: torch.Tensor, t: Tensors, r: LinearRecipe) -> torch.Tensor:
+def fp8_block_scaled_mm(x: torch.Tensor, t: Tensors, r: LinearRecipe, deep: DeepGemm | None = None) -> torch.Tensor:
     """Hopper+: activations quantized per token and group of 128, weights in 128x128 blocks.
 
     cuBLAS' blockwise scaled_mm for large M when its layout rules hold (rows padded to
-    CUBLAS_BLOCKWISE_ROWS, scale dimensions in multiples of 4 blocks); the Triton kernel, with
+    CUBLAS_BLOCKWISE_ROWS, scale dimensions in multiples of 4 blocks), or DeepGEMM's kernel on the same
+    operands where ``deep`` has one built for these sizes (engine/native/deep_gemm.py); the Triton kernel, with
     the same numerics, otherwise. ``x`` may come quantized (quantized_rows).
     """
     from torch.nn.functional import ScalingType, scaled_mm
@@ -90,17 +100,40 @@ def fp8_block_scaled_mm(x: torch.Tensor, t: Tensors, r: LinearRecipe) -> torch.T
 
     quantized = x if isinstance(x, Quantized) else None
     m = quantized.rows if quantized else x.shape[0]
-    if m <= SMALL_M or not _cublas_blockwise(r):
-        y = fp8_block_gemm(quantized or _pad_k(x, r).contiguous(), t["weight"], t["weight_scale"])
+    w, ws = t["weight"], t["weight_scale"]
+    dtype = quantized.dtype if quantized else x.dtype
+    deep = deep if deep is not None and _deep_gemm_takes(deep, m, dtype, t, r) else None
+    if deep is None and (m <= SMALL_M or not _cublas_blockwise(r)):
+        y = fp8_block_gemm(quantized or _pad_k(x, r).contiguous(), w, ws)
     else:
         if quantized:
-            xq, xs, dtype = quantized.q, quantized.scale, quantized.dtype
+            xq, xs = quantized.q, quantized.scale
         else:
             xq, xs = quantize_groups(_pad_k(x, r), _cublas_rows(m))  # as quantize_per_token_group, in one kernel
-            dtype = x.dtype
-        y = scaled_mm(xq, t["weight"].t(), xs, ScalingType.BlockWise1x128, t["weight_scale"].t(),
-                      ScalingType.BlockWise128x128, output_dtype=dtype)  # fmt: skip
+        if deep is not None:
+            y = deep.gemm(xq, xs, w, ws)
+        else:
+            y = scaled_mm(xq, w.t(), xs, ScalingType.BlockWise1x128, ws.t(), ScalingType.BlockWise128x128,
+                          output_dtype=dtype)  # fmt: skip
     return _finish(y[:m] if y.shape[0] != m else y, t, r)  # the padding rows' outputs dropped
+
+
+def cublas_sized(recipe: LinearRecipe) -> bool:
+    """This layer's GEMM goes to cuBLAS' blockwise kernel above SMALL_M rows (DeepGEMM's above DEEP_GEMM_SMALL_M)."""
+    return recipe.kernel == FP8_BLOCK_SCALED_MM and _cublas_blockwise(recipe)
+
+
+def deep_gemm_rows(step_rows: list[int]) -> list[int]:
+    """The GEMM rows (padded) at which steps of these sizes may call DeepGEMM's kernel."""
+    return sorted({_cublas_rows(m) for m in step_rows if m > DEEP_GEMM_SMALL_M})
+
+
+def _deep_gemm_takes(deep: DeepGemm, m: int, dtype: torch.dtype, t: Tensors, r: LinearRecipe) -> bool:
+    """DeepGEMM's kernel can take these ``m`` rows: above DEEP_GEMM_SMALL_M, cuBLAS' operand layout, bf16 out, and a
+    kernel built for these sizes (deep.ready)."""
+    w, ws = t["weight"], t["weight_scale"]
+    return (m > DEEP_GEMM_SMALL_M and _cublas_blockwise(r) and dtype == torch.bfloat16 and ws.is_contiguous()
+            and deep.ready(_cublas_rows(m), *w.shape))  # fmt: skip
 
 
 def _cublas_rows(m: int) -> int:
@@ -110,10 +143,11 @@ def _cublas_rows(m: int) -> int:
 def quantized_rows(recipe: LinearRecipe, rows: int) -> int:
     """The rows in which this layer's kernel takes ``rows`` of activations already quantized (engine/native/
     fused_ops.py's Quantized, made by the norm or activation kernel before it), or 0 where it does not: block FP8
-    with no padding of K, its cuBLAS GEMM's rows padded to CUBLAS_BLOCKWISE_ROWS, the Triton GEMM's as they are."""
+    with no padding of K; padded to CUBLAS_BLOCKWISE_ROWS where cuBLAS' or DeepGEMM's GEMM may take them (the
+    Triton GEMM takes rows past M too), else as they are."""
     if recipe.kernel != FP8_BLOCK_SCALED_MM or recipe.padded_in != recipe.in_features:
         return 0
-    return _cublas_rows(rows) if rows > SMALL_M and _cublas_blockwise(recipe) else rows
+    return _cublas_rows(rows) if rows > min(SMALL_M, DEEP_GEMM_SMALL_M) and _cublas_blockwise(recipe) else rows
 
 
 def fp8_rowwise_scaled_mm(x: torch.Tensor, t: Tensors, r: LinearRecipe) -> torch.Tensor:

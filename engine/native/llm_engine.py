@@ -42,6 +42,7 @@ from engine.config import EngineConfig
 from engine.grammar import GrammarState, TokenMasks
 from engine.memory_plan import DeviceMemory, MemoryPlan, default_max_num_seqs, working_bytes
 from engine.memory_plan import plan as plan_memory
+from engine.native.deep_gemm import DeepGemm
 from engine.native.kv_cache import BlockAllocator, KVCache, KVCacheSpec, kv_block_bytes, kv_bytes_per_token
 from engine.native.kv_memory import FIRST_BYTES, block_multiple, granularity
 from engine.native.model import ModelArgs, Transformer
@@ -113,6 +114,10 @@ class LLMEngine(EngineThread[Sequence]):
         self.scheduler = Scheduler(allocator, self.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv, self.max_num_seqs, config.max_num_batched_tokens,
                                   self.max_model_len, config.cuda_graphs)  # fmt: skip
+        if self.runner.use_graphs and (deep := DeepGemm.load(self.device)) is not None:
+            with self._phase("deep_gemm"):  # its kernels for the graphs' sizes, built before they are captured
+                built = self.model.use_deep_gemm(deep, self.runner.decode_sizes + self.runner.mixed_sizes)
+            log_event(log, "deep_gemm", kernels=built)
         if self.runner.use_graphs:
             with self._phase("cuda_graphs"):  # every graph before ready: no capture on a request's path
                 self.runner.capture_all()

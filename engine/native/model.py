@@ -7,7 +7,9 @@ names. Attention reads and writes the paged KV cache (engine/native/kv_cache.py,
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -17,10 +19,11 @@ import torch.nn.functional as F
 from cache.checkpoint.architecture import ModelShape
 from cache.processors.native import LinearRecipe, ProcessedWeights
 from engine.native.attention import StepBatch, paged_attention
-from engine.native.kernels import Kernel, kernel_for, quantized_rows
+from engine.native.kernels import Kernel, cublas_sized, deep_gemm_rows, fp8_block_scaled_mm, kernel_for, quantized_rows
 from engine.native.kv_cache import KVCache
 
 if TYPE_CHECKING:
+    from engine.native.deep_gemm import DeepGemm
     from engine.native.fused_ops import Quantized
 
 
@@ -180,6 +183,23 @@ class Transformer:
         self.cos, self.sin = freqs.cos(), freqs.sin()
         self.scale = 1.0 / math.sqrt(s.head_dim)
         self.fused = self.device.type == "cuda"  # Triton kernels for norms and rotary embedding
+
+    def linears(self) -> Iterator[Linear]:
+        yield self.lm_head
+        for layer in self.layers:
+            for p in (layer.qkv, layer.gate_up):
+                yield from [p.merged] if p.merged else p.separate
+            yield from (layer.o, layer.down)
+
+    def use_deep_gemm(self, deep: DeepGemm, step_rows: list[int]) -> int:
+        """Run the block-FP8 GEMMs that cuBLAS would at these steps' sizes through DeepGEMM's kernels (engine/
+        native/deep_gemm.py), built here first; returns the kernels built or loaded."""
+        linears = [linear for linear in self.linears() if cublas_sized(linear.recipe)]
+        weights = {tuple(x.tensors["weight"].shape): (x.tensors["weight"], x.tensors["weight_scale"]) for x in linears}
+        built = deep.prepare(list(weights.values()), deep_gemm_rows(step_rows))
+        for linear in linears:
+            linear.kernel = functools.partial(fp8_block_scaled_mm, deep=deep)
+        return built
 
     def _norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
               into: Linear | Projections | None = None) -> torch.Tensor:  # fmt: skip
