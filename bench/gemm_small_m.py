@@ -16,8 +16,6 @@ import json
 import sys
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -26,6 +24,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.gpu_step_profile import graphed_us
+from engine.native.deep_gemm import DeepGemm
 from engine.native.fused_ops import Quantized
 from engine.native.triton_fp8 import fp8_block_gemm, quantize_groups
 
@@ -43,40 +42,19 @@ def cublas(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return y[:m]
 
 
-def deep_gemm_or_none():  # type: ignore[no-untyped-def]
-    """DeepGEMM's module, or None where it is not installed or the card is not an sm_90 one."""
-    try:
-        import deep_gemm  # type: ignore[import-not-found]
-    except ImportError as exc:
-        print(json.dumps({"deep_gemm": f"not available: {exc}"}), flush=True)
+def prepared_deep_gemm(rows: list[int]) -> DeepGemm | None:
+    """The engine's DeepGEMM (engine/native/deep_gemm.py) with its kernels built for the GEMMS at these rows (padded
+    to 4) before anything is timed, or None where it cannot run here (not installed, no nvcc, not sm_90)."""
+    deep = DeepGemm.load(torch.device("cuda"))
+    if deep is None:
+        print(json.dumps({"deep_gemm": "not available"}), flush=True)
         return None
-    return deep_gemm if torch.cuda.get_device_capability() == (9, 0) else None
-
-
-def compile_deep_gemm(deep_gemm, shapes: list[tuple[int, int, int]]) -> float:  # type: ignore[no-untyped-def]
-    """Build DeepGEMM's kernel for every (M, N, K) before anything is timed (its JIT compiles one per shape, M
-    included): nvcc runs in parallel threads. Seconds taken."""
+    weights = [(torch.zeros(n, k, device="cuda", dtype=torch.float8_e4m3fn), torch.ones(n // 128, k // 128,
+                device="cuda")) for n, k in GEMMS.values()]  # fmt: skip
     start = time.perf_counter()
-
-    def build(shape: tuple[int, int, int]) -> None:
-        torch.cuda.set_device(0)
-        m, n, k = shape
-        w = torch.zeros(n, k, device="cuda", dtype=torch.float8_e4m3fn)
-        xq, xs = quantize_groups(torch.zeros(m, k, device="cuda", dtype=torch.bfloat16), m)
-        out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-        deep_gemm.gemm_fp8_fp8_bf16_nt((xq, xs), (w, torch.ones(n // 128, k // 128, device="cuda")), out)
-
-    with ThreadPoolExecutor(max_workers=16) as pool:
-        list(pool.map(build, shapes))
-    torch.cuda.synchronize()
-    return time.perf_counter() - start
-
-
-def run_deep_gemm(deep_gemm, xq: Quantized, out: torch.Tensor, _x: torch.Tensor, w: torch.Tensor,  # type: ignore[no-untyped-def]
-                  s: torch.Tensor) -> torch.Tensor:
-    """DeepGEMM on the activations quantized beforehand (its scales' layout is quantize_groups' at rows padded to 4)."""
-    deep_gemm.gemm_fp8_fp8_bf16_nt((xq.q[: xq.rows], xq.scale[: xq.rows]), (w, s), out)
-    return out
+    built = deep.prepare(weights, [-(-m // 4) * 4 for m in rows])
+    print(json.dumps({"deep_gemm_kernels": built, "compile_s": round(time.perf_counter() - start, 1)}), flush=True)
+    return deep
 
 
 def weight_copies(n: int, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -147,10 +125,7 @@ def main() -> None:
     torch.manual_seed(0)
     rows: list[dict[str, object]] = []
     began = time.perf_counter()
-    deep_gemm = deep_gemm_or_none() if args.deep_gemm else None
-    if deep_gemm is not None:
-        shapes = [(m, n, k) for m in map(int, args.rows.split(",")) for n, k in GEMMS.values()]
-        print(json.dumps({"deep_gemm_compile_s": round(compile_deep_gemm(deep_gemm, shapes), 1)}), flush=True)
+    deep = prepared_deep_gemm([int(r) for r in args.rows.split(",")]) if args.deep_gemm else None
     for name, (n, k) in GEMMS.items():
         copies = weight_copies(n, k)
         for m in (int(r) for r in args.rows.split(",")):
@@ -172,9 +147,8 @@ def main() -> None:
                 xq = Quantized(*quantize_groups(x, -(-m // 4) * 4), x.dtype, m)
                 variants = {"triton": lambda x, w, s, xq=xq: fp8_block_gemm(xq, w, s),
                             **({"cublas": cublas} if m >= 4 else {})}  # fmt: skip
-                if deep_gemm is not None:
-                    variants["deep_gemm"] = partial(run_deep_gemm, deep_gemm, xq, torch.empty(m, n, device="cuda",
-                                                                                          dtype=torch.bfloat16))
+                if deep is not None:  # its rows padded to 4 as the engine's are, then dropped
+                    variants["deep_gemm"] = lambda x, w, s, xq=xq, m=m, deep=deep: deep.gemm(xq.q, xq.scale, w, s)[:m]
             launches: dict[str, dict[str, object]] = {}  # --explore's launch choices, by label
             if args.explore:
                 for swap, tma, bn, warps, stages in itertools.product((False, True), (False, True), (64, 128), (4, 8),

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.gemm_small_m import GEMMS, compile_deep_gemm, cublas, deep_gemm_or_none
+from bench.gemm_small_m import GEMMS, cublas, prepared_deep_gemm
 from bench.gpu_step_profile import graphed_us
 from engine.native.triton_fp8 import quantize_groups
 
@@ -45,10 +45,7 @@ def main() -> None:
     torch.manual_seed(0)
     rows: list[dict[str, object]] = []
     ms = [int(r) for r in args.rows.split(",")]
-    deep_gemm = deep_gemm_or_none()
-    if deep_gemm is not None:
-        seconds = compile_deep_gemm(deep_gemm, [(m, n, k) for m in ms for n, k in GEMMS.values()])
-        print(json.dumps({"deep_gemm_compile_s": round(seconds, 1), "kernels": len(ms) * len(GEMMS)}), flush=True)
+    deep = prepared_deep_gemm(ms)
     for m in ms:
         layer: dict[str, float] = {}
         for name, (n, k) in GEMMS.items():
@@ -57,7 +54,6 @@ def main() -> None:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             xq, xs = quantize_groups(x, m)
             one = torch.ones((), device="cuda")
-            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
             wb = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
             variants = {
                 "engine": lambda: cublas(x, w, s),
@@ -67,16 +63,15 @@ def main() -> None:
                                                     ScalingType.TensorWise, output_dtype=torch.bfloat16),
                 "bf16": lambda: x @ wb.t(),
             }  # fmt: skip
-            if deep_gemm is not None:
-                variants["deep_gemm"] = lambda: deep_gemm.gemm_fp8_fp8_bf16_nt((xq, xs), (w, s), out)
+            if deep is not None:
+                variants["deep_gemm"] = lambda: deep.gemm(xq, xs, w, s)
             reference = variants["blockwise_alone"]().float()
             for label, fn in variants.items():
                 us = graphed_us(fn, calls=10)
                 row = {"m": m, "gemm": name, "variant": label, "us": round(us, 2),
                        "tflops": round(2 * m * n * k / us / 1e6, 1)}  # fmt: skip
                 if label == "deep_gemm":
-                    fn()
-                    diff = (out.float() - reference).abs().max() / reference.abs().max()
+                    diff = (fn().float() - reference).abs().max() / reference.abs().max()
                     row["max_diff_vs_blockwise"] = float(diff)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
