@@ -68,9 +68,11 @@ def preload(backend: str = "native") -> float:
     except ImportError as exc:  # a broken install: its engines lose structured outputs, not every start to spawn
         log_warning(log, "preload_failed", module="xgrammar", error=exc)
     if backend == "native":
+        from engine.native.deep_gemm import import_deep_gemm
         from engine.native.kernels import preload_triton
 
         preload_triton()
+        import_deep_gemm()
     with contextlib.suppress(ImportError):  # FastAPI imports it while it builds an app's routes (~0.05 s)
         import pydantic.v1  # noqa: F401
     assert not torch.cuda.is_initialized(), "the fork server must not touch CUDA"

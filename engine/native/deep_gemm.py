@@ -1,10 +1,12 @@
-"""DeepGEMM's block-FP8 GEMM where the engine would call cuBLAS' blockwise scaled_mm (rows above SMALL_M).
+"""DeepGEMM's block-FP8 GEMM in the engine's CUDA graphs from 33 rows (kernels.DEEP_GEMM_SMALL_M), where it would
+otherwise call cuBLAS' blockwise scaled_mm (above 64 rows) or its own Triton kernel (33-64).
 
 DeepGEMM (deepseek-ai/DeepGEMM, the Python JIT of commit 03d0be3, which nvcc compiles for sm_90a) takes the same
 operands as cuBLAS' blockwise kernel (fp8 activations with 1x128 scales laid out column-major, rows padded to 4; fp8
 weights with 128x128 scales) and gave the same bits on the H100 for llama3-8b's four layer GEMMs at 64-2,048 rows
 (bench/prefill_bound.py: largest difference 0.0). It is faster: 99 against 130 us for a layer's four GEMMs at 128
-rows, 342 against 361 at 1,024 (bench/results/gpu_h100_deep_gemm_s46.json). Its kernels are compiled per GEMM shape
+rows, 342 against 361 at 1,024, and 90.7 against the Triton kernel's 99.3 at 64 (bench/results/
+gpu_h100_deep_gemm_s46.json). Its kernels are compiled per GEMM shape
 and launch choice, which it picks from the rows: an engine builds those of its graphs' step sizes before capturing
 them (``prepare``), in parallel, cached on disk by DeepGEMM (~6 s a kernel the first time, none after), and a step of
 another size runs cuBLAS rather than wait for a compiler. Optional: without the package, nvcc or an sm_90 card, or
@@ -42,14 +44,8 @@ class DeepGemm:
             return None
         if torch.cuda.get_device_capability(device) != (9, 0):
             return None
-        try:
-            import deep_gemm  # type: ignore[import-not-found]
-
-            deep_gemm.jit.get_nvcc_compiler()
-        except (ImportError, RuntimeError, AssertionError) as exc:
-            log_event(log, "deep_gemm_unavailable", reason=str(exc)[:200])
-            return None
-        return cls(deep_gemm, device)
+        module = import_deep_gemm()
+        return cls(module, device) if module is not None else None
 
     def _choice(self, m: int, n: int, k: int) -> tuple[int, int, Any]:
         return n, k, self.module.jit_kernels.gemm.get_best_configs(m, n, k, 1, self.sms)
@@ -86,3 +82,23 @@ class DeepGemm:
         out = torch.empty(xq.shape[0], w.shape[0], device=xq.device, dtype=torch.bfloat16)
         self.module.gemm_fp8_fp8_bf16_nt((xq, xs), (w, ws), out)
         return out
+
+
+def import_deep_gemm() -> Any:
+    """The deep_gemm module with its compiler found, or None (logged). Its import (torch's cpp_extension, CUDA's
+    bindings) and nvcc's version check took 0.3-0.45 s of an engine's start on the H100, so the fork server calls this
+    before it forks (engine/fork_server.py's preload): neither touches the device."""
+    if os.environ.get("WARMGATE_DEEP_GEMM", "1") == "0":
+        return None
+    try:
+        import deep_gemm  # type: ignore[import-not-found]
+    except ModuleNotFoundError as exc:
+        if exc.name != "deep_gemm":  # installed, but something it needs is not
+            log_event(log, "deep_gemm_unavailable", reason=str(exc)[:200])
+        return None
+    try:
+        deep_gemm.jit.get_nvcc_compiler()  # functools.cache'd by DeepGEMM for the process
+    except Exception as exc:  # no CUDA_HOME (a TypeError inside), no nvcc, one too old: cuBLAS then
+        log_event(log, "deep_gemm_unavailable", reason=f"no usable nvcc ({type(exc).__name__}: {exc})"[:200])
+        return None
+    return deep_gemm

@@ -114,10 +114,12 @@ class LLMEngine(EngineThread[Sequence]):
         self.scheduler = Scheduler(allocator, self.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv, self.max_num_seqs, config.max_num_batched_tokens,
                                   self.max_model_len, config.cuda_graphs)  # fmt: skip
-        if self.runner.use_graphs and (deep := DeepGemm.load(self.device)) is not None:
+        if self.runner.use_graphs and self.device.type == "cuda":
             with self._phase("deep_gemm"):  # its kernels for the graphs' sizes, built before they are captured
-                built = self.model.use_deep_gemm(deep, self.runner.decode_sizes + self.runner.mixed_sizes)
-            log_event(log, "deep_gemm", kernels=built)
+                deep = DeepGemm.load(self.device)
+                if deep is not None:
+                    built = self.model.use_deep_gemm(deep, self.runner.decode_sizes + self.runner.mixed_sizes)
+                    log_event(log, "deep_gemm", kernels=built)
         if self.runner.use_graphs:
             with self._phase("cuda_graphs"):  # every graph before ready: no capture on a request's path
                 self.runner.capture_all()
