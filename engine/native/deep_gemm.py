@@ -59,7 +59,7 @@ class DeepGemm:
         count, one call per distinct launch choice, in parallel threads; returns the kernels built. Each call runs
         once on zeros, at most COMPILE_THREADS at a time: their activations and outputs for llama3-8b's graphs up to
         1,024 rows add up to 0.33 GB (worked out, not measured), within the working memory the plan keeps for the
-        graphs captured next (0.74 GB of activations at 1,024 tokens, engine/memory_plan.py)."""
+        graphs captured next (0.74 GB of activations at 1,024 tokens and 256 sequences, engine/memory_plan.py)."""
         calls: dict[tuple[int, int, Any], tuple[int, torch.Tensor, torch.Tensor]] = {}
         for w, s in weights:
             for m in rows:
