@@ -655,7 +655,7 @@ class HealthResponse(OpenAIModel):
     max_model_len: int = 0
     memory: dict[str, Any] = Field(default_factory=dict)  # the plan: KV cache budget and bytes, device memory shares
     weights: WeightsInfo
-    startup_phases: dict[str, float]  # seconds: tokenizer, device_init, weight_load, ..., warmup, server_warmup
+    startup_phases: dict[str, float]  # seconds: tokenizer, device_init, weight_load, ..., deep_gemm, ..., server_warmup
 
 
 class DrainRequest(OpenAIModel):

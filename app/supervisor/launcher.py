@@ -30,9 +30,9 @@ from engine.protocol import ActivateRequest, DrainRequest, HealthResponse
 
 log = logging.getLogger("warmgate.supervisor.launcher")
 # An engine's start-up as it reports it (/health's startup_phases), copied into the restart's report.
-STARTUP_PHASES = ("tokenizer", "device_init", "weight_load", "model_init", "kv_alloc", "cuda_graphs", "graph_inputs",
-                  "graph_warmup", "graph_capture", "graph_free", "graph_replay", "warmup", "server_warmup",
-                  "gc")  # fmt: skip
+STARTUP_PHASES = ("tokenizer", "device_init", "weight_load", "model_init", "kv_alloc", "deep_gemm", "cuda_graphs",
+                  "graph_inputs", "graph_warmup", "graph_capture", "graph_free", "graph_replay", "warmup",
+                  "server_warmup", "gc")  # fmt: skip
 PROBE = {"prompt": "Hello", "max_tokens": 1, "temperature": 0}
 
 
