@@ -632,3 +632,33 @@ def test_block_fp8_rows_are_padded_where_a_library_gemm_may_take_them() -> None:
     assert [quantized_rows(narrow, m) for m in (33, 45, 65)] == [33, 45, 65]
     assert deep_gemm_rows([1, 2, 16, 24, 32, 48, 50, 64, 128, 1024]) == [48, 52, 64, 128, 1024]
     assert DeepGemm.load(torch.device("cpu")) is None
+
+
+def test_deep_gemm_leaves_a_kernel_that_fails_to_build_to_cublas(caplog: pytest.LogCaptureFixture) -> None:
+    """DeepGemm.prepare builds one kernel per distinct launch choice and keeps only those that built: a failing one
+    (nvcc's error, an unwritable cache) is logged, its sizes left to cuBLAS, and the engine starts. DeepGEMM itself
+    needs nvcc and an sm_90 card, so a stand-in module plays it here (tests/test_gpu.py runs the real one)."""
+    from types import SimpleNamespace
+
+    from engine.native.deep_gemm import DeepGemm
+
+    calls: list[tuple[int, int, int]] = []
+
+    def get_best_configs(m: int, n: int, k: int, groups: int, sms: int) -> tuple[int, int]:
+        return (64 if m <= 64 else 128, sms)  # DeepGEMM's block_m, as it picks it from the rows
+
+    def gemm_fp8_fp8_bf16_nt(lhs: tuple[torch.Tensor, torch.Tensor], rhs: tuple[torch.Tensor, torch.Tensor],
+                             out: torch.Tensor) -> None:  # fmt: skip
+        calls.append((lhs[0].shape[0], *rhs[0].shape))
+        if rhs[0].shape[0] == 256 and lhs[0].shape[0] > 64:
+            raise AssertionError("Failed to compile kernel.cu")
+
+    module = SimpleNamespace(jit_kernels=SimpleNamespace(gemm=SimpleNamespace(get_best_configs=get_best_configs)),
+                             gemm_fp8_fp8_bf16_nt=gemm_fp8_fp8_bf16_nt)  # fmt: skip
+    deep = DeepGemm(module, torch.device("cpu"), sms=132)
+    weights = [(torch.zeros(n, 256, dtype=torch.float8_e4m3fn), torch.ones(n // 128, 2)) for n in (256, 512)]
+    with caplog.at_level("WARNING"):
+        assert deep.prepare(weights, [48, 64, 128, 1024]) == 3
+    assert sorted(calls) == [(48, 256, 256), (48, 512, 256), (128, 256, 256), (128, 512, 256)]  # one a choice
+    assert deep.built == {(256, 256, (64, 132)), (512, 256, (64, 132)), (512, 256, (128, 132))}
+    assert "event=deep_gemm_build_failed" in caplog.text and "Failed to compile" in caplog.text

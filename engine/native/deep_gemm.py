@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from common.events import log_event
+from common.events import log_event, log_warning
 
 log = logging.getLogger("warmgate.engine")
 COMPILE_THREADS = 16
@@ -31,10 +31,10 @@ COMPILE_THREADS = 16
 class DeepGemm:
     """The DeepGEMM kernels built for one engine: its block-FP8 weights' shapes at its steps' row counts."""
 
-    def __init__(self, module: Any, device: torch.device) -> None:
+    def __init__(self, module: Any, device: torch.device, sms: int) -> None:
         self.module = module
-        self.device = torch.device("cuda", torch.cuda.current_device()) if device.index is None else device
-        self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.device = device
+        self.sms = sms  # the SMs DeepGEMM plans its launches for (its get_num_sms: all of the device's)
         self.built: set[tuple[int, int, Any]] = set()  # (N, K, DeepGEMM's launch choice for the rows)
 
     @classmethod
@@ -43,7 +43,10 @@ class DeepGemm:
         if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
             return None
         module = import_deep_gemm()
-        return cls(module, device) if module is not None else None
+        if module is None:
+            return None
+        device = torch.device("cuda", torch.cuda.current_device()) if device.index is None else device
+        return cls(module, device, torch.cuda.get_device_properties(device).multi_processor_count)
 
     def _choice(self, m: int, n: int, k: int) -> tuple[int, int, Any]:
         return n, k, self.module.jit_kernels.gemm.get_best_configs(m, n, k, 1, self.sms)
@@ -56,27 +59,36 @@ class DeepGemm:
 
     def prepare(self, weights: list[tuple[torch.Tensor, torch.Tensor]], rows: list[int]) -> int:
         """Build (or load from DeepGEMM's disk cache) the kernel of each weight (fp8 [N, K], its scales) at each row
-        count, one call per distinct launch choice, in parallel threads; returns the kernels built. Each call runs
-        once on zeros, at most COMPILE_THREADS at a time: their activations and outputs for llama3-8b's graphs up to
-        1,024 rows add up to 0.33 GB (worked out, not measured), within the working memory the plan keeps for the
-        graphs captured next (0.74 GB of activations at 1,024 tokens and 256 sequences, engine/memory_plan.py)."""
+        count, one call per distinct launch choice, in parallel threads; returns the kernels built (one that fails to
+        build is logged and left to cuBLAS). Each call runs once on zeros, at most COMPILE_THREADS at a time: their
+        activations and outputs for llama3-8b's graphs up to 1,024 rows add up to 0.33 GB (worked out, not
+        measured), within the working memory the plan keeps for the graphs captured next (0.74 GB of activations at
+        1,024 tokens and 256 sequences, engine/memory_plan.py)."""
         calls: dict[tuple[int, int, Any], tuple[int, torch.Tensor, torch.Tensor]] = {}
         for w, s in weights:
             for m in rows:
                 calls.setdefault(self._choice(m, *w.shape), (m, w, s))
 
-        def build(call: tuple[int, torch.Tensor, torch.Tensor]) -> None:
-            torch.cuda.set_device(self.device)
+        def build(call: tuple[int, torch.Tensor, torch.Tensor]) -> bool:
             m, w, s = call
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
             x = torch.zeros(m, w.shape[1], device=self.device, dtype=torch.uint8).view(w.dtype)
             scales = torch.ones(w.shape[1] // 128, m, device=self.device).t()
-            self.gemm(x, scales, w, s)
+            try:
+                self.gemm(x, scales, w, s)
+            except Exception as exc:  # nvcc failed, its cache dir is not writable, ...: cuBLAS at these sizes
+                log_warning(log, "deep_gemm_build_failed", n=w.shape[0], k=w.shape[1], rows=m,
+                            error=f"{type(exc).__name__}: {exc}"[:300])  # fmt: skip
+                return False
+            return True
 
         with ThreadPoolExecutor(max_workers=COMPILE_THREADS) as pool:
-            list(pool.map(build, calls.values()))
-        torch.cuda.synchronize(self.device)
-        self.built.update(calls)
-        return len(calls)
+            built = [choice for choice, ok in zip(calls, pool.map(build, calls.values()), strict=True) if ok]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.built.update(built)
+        return len(built)
 
     def gemm(self, xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
         """bf16 [M, N] = (xq [M, K] x xs [M, K/128], strides (1, M) with M a multiple of 4) @ (w [N, K] x ws)^T."""
