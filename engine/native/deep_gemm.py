@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from common.device import resolve_device
 from common.events import log_event, log_warning
 
 log = logging.getLogger("warmgate.engine")
@@ -45,7 +46,7 @@ class DeepGemm:
         module = import_deep_gemm()
         if module is None:
             return None
-        device = torch.device("cuda", torch.cuda.current_device()) if device.index is None else device
+        device = resolve_device(device)  # "cuda" -> cuda:N, the device DeepGEMM's launches go to
         return cls(module, device, torch.cuda.get_device_properties(device).multi_processor_count)
 
     def _choice(self, m: int, n: int, k: int) -> tuple[int, int, Any]:
