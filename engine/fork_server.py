@@ -67,17 +67,31 @@ def preload(backend: str = "native") -> float:
         engine.grammar.load_xgrammar()  # structured outputs; it imports transformers: ~4 s on two cores
     except ImportError as exc:  # a broken install: its engines lose structured outputs, not every start to spawn
         log_warning(log, "preload_failed", module="xgrammar", error=exc)
-    if backend == "native":
-        from engine.native.deep_gemm import import_deep_gemm
+    if backend == "native":  # not DeepGEMM: it imports torch's cpp_extension, which asks CUDA for its devices
         from engine.native.kernels import preload_triton
 
         preload_triton()
-        import_deep_gemm()
     with contextlib.suppress(ImportError):  # FastAPI imports it while it builds an app's routes (~0.05 s)
         import pydantic.v1  # noqa: F401
     assert not torch.cuda.is_initialized(), "the fork server must not touch CUDA"
+    assert forks_can_use_cuda(), "the fork server's imports asked CUDA something: its forks could not use CUDA"
     assert threading.active_count() == 1, f"the fork server must not run threads: {threading.enumerate()}"
     return time.perf_counter() - t
+
+
+def forks_can_use_cuda() -> bool:
+    """A child forked now could initialize CUDA. torch marks every later fork bad (its CUDA calls then raise "Cannot
+    re-initialize CUDA in forked subprocess") once this process has asked CUDA anything, not only once it has
+    initialized it: ``torch.cuda.is_available()`` or ``device_count()`` through CUDA's runtime is enough. Importing
+    DeepGEMM does that (torch's cpp_extension calls ``is_available()`` when it finds a CUDA toolkit): every engine
+    forked after it failed to start on the H100. One fork to find out, a few ms, once."""
+    import torch
+
+    pid = os.fork()
+    if pid == 0:
+        os._exit(1 if torch.cuda._is_in_bad_fork() else 0)  # False where torch has no CUDA
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0
 
 
 def serve(socket_path: Path, child_main: ChildMain, backend: str = "native") -> int:

@@ -120,6 +120,19 @@ def test_a_grammar_library_that_fails_to_import_costs_structured_outputs_not_the
     assert "event=ready" in log
 
 
+def test_the_fork_server_finds_out_when_its_forks_could_not_use_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its preload's last check forks a child that reads torch's mark of a fork made after the parent asked CUDA
+    anything (set by torch in such a child; stood in for here, this machine's torch has no CUDA). On the H100 that
+    mark, left by DeepGEMM's import, failed every forked engine's start; the preload now fails instead."""
+    import torch
+
+    from engine.fork_server import forks_can_use_cuda
+
+    assert forks_can_use_cuda()
+    monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)
+    assert not forks_can_use_cuda()
+
+
 async def _exit_code_comes_back(forks: ForkServer, run_dir: Path) -> None:
     """A command that fails at once (checking a missing model): its exit code, 2, comes back through the fork
     server."""

@@ -517,6 +517,32 @@ def test_every_prompt_length_through_the_engine_matches_the_dequantized_referenc
         assert error < TOLERANCE, (length, error)
 
 
+def test_a_worker_forked_after_the_fork_servers_preload_uses_cuda() -> None:
+    """The fork server's preload leaves its forks able to use CUDA, with DeepGEMM installed or not. When the preload
+    imported DeepGEMM, torch's cpp_extension asked CUDA for its devices, and every engine forked after it failed at
+    its first CUDA call ("Cannot re-initialize CUDA in forked subprocess"); the first gateway start on an H100 showed
+    it. In a fresh process: this one holds a CUDA context."""
+    import subprocess
+    import sys
+
+    child = """
+import os, torch
+from engine.fork_server import preload
+preload()
+pid = os.fork()
+if pid == 0:
+    try:
+        os._exit(0 if float(torch.ones(4, device="cuda").sum()) == 4.0 else 3)
+    except BaseException:
+        os._exit(4)
+print("worker exit", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
+    run = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split()[-1] == "0", run.stdout[-500:]
+
+
 def test_cuda_vmm_arena_maps_read_only_in_a_fresh_process(tmp_path: Path) -> None:
     """The CUDA transport: fill a VMM arena, pass its fd to another process, read the same bytes there."""
     import json

@@ -100,8 +100,9 @@ class DeepGemm:
 
 def import_deep_gemm() -> Any:
     """The deep_gemm module with its compiler found, or None (logged). Its import (torch's cpp_extension, CUDA's
-    bindings) and nvcc's version check took 0.3-0.45 s of an engine's start on the H100, so the fork server calls this
-    before it forks (engine/fork_server.py's preload): neither touches the device."""
+    bindings) and nvcc's version check take 0.3-0.45 s of an engine's start on the H100, inside its ``deep_gemm``
+    phase. The fork server cannot take them over: cpp_extension's import calls ``torch.cuda.is_available()``, after
+    which torch refuses CUDA to every forked child (engine/fork_server.py's ``forks_can_use_cuda``)."""
     if os.environ.get("WARMGATE_DEEP_GEMM", "1") == "0":
         return None
     try:
