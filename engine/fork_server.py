@@ -74,8 +74,8 @@ def preload(backend: str = "native") -> float:
     with contextlib.suppress(ImportError):  # FastAPI imports it while it builds an app's routes (~0.05 s)
         import pydantic.v1  # noqa: F401
     assert not torch.cuda.is_initialized(), "the fork server must not touch CUDA"
-    assert forks_can_use_cuda(), "the fork server's imports asked CUDA something: its forks could not use CUDA"
     assert threading.active_count() == 1, f"the fork server must not run threads: {threading.enumerate()}"
+    assert forks_can_use_cuda(), "the fork server's imports asked CUDA something: its forks could not use CUDA"
     return time.perf_counter() - t
 
 
