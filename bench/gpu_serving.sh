@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# GPU runs for the serving engine, on the device machine (torch + Triton there; the rest travels as wheels in .whl/,
-# the demo tokenizer for the synthetic checkpoint in .gputok/: see docs/benchmarks.md).
+# GPU runs for the serving engine, on the device machine (torch + Triton there; the rest travels in ignored folders that
+# `python bench/device_bundle.py` builds: .whl/ and .gputok/, and .dg/ for DeepGEMM; carry all three).
 #   bash bench/gpu_serving.sh setup probe tests graphs profile ab attention engine structured prefix defaults speed restarts serve  # any subset
 # The serving acceptance (setup + serve fit one 10-minute device call: ~10 s wheels, ~25 s synth, serve <= 480 s):
-#   bash bench/gpu_serving.sh setup serve        # carry .whl and .gputok; SERVE_ARGS / SERVE_TIMEOUT override
+#   bash bench/gpu_serving.sh setup serve        # SERVE_ARGS / SERVE_TIMEOUT override
+# Issue 25's acceptance, in two calls on the H200 only (`h200` stops the rest on any other card):
+#   bash bench/gpu_serving.sh setup h200 profile speed;  PREFIX_RAMPS=0 bash bench/gpu_serving.sh setup h200 prefix
 # Results go to a folder under /tmp/gpuout, packed at the end into $OUT/results.tgz (markdown copied beside it).
 # The synthetic llama3-8b fp8-block checkpoint stays in /tmp/wg while the machine is warm.
 set -uo pipefail
@@ -11,24 +13,31 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
-# .whl/opt: xgrammar and what it needs (apache-tvm-ffi, transformers and its dependencies), installed only where the
-# image lacks them, or has them older than the engine needs (tokenizers: DecodeStream came in 0.21).
+# .whl/opt: packages the image has in some version (xgrammar's, the tokenizer's), installed only where it lacks them or
+# has a version warmgate's own requirements (pyproject.toml) refuse, e.g. tokenizers before 0.21 (no DecodeStream).
 OPT=$(python3 - <<'PY'
-import importlib.metadata as md, pathlib
-NEEDS = {"tokenizers": (0, 21)}
+import importlib.metadata as md, pathlib, tomllib
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.utils import canonicalize_name
+project = tomllib.loads(pathlib.Path("pyproject.toml").read_text())["project"]
+wanted = {canonicalize_name(r.name): r.specifier for r in map(Requirement, project["dependencies"])}
 for wheel in sorted(pathlib.Path(".whl/opt").glob("*.whl")):
-    name = wheel.name.split("-")[0]
+    name = canonicalize_name(wheel.name.split("-")[0])
     try:
-        have = tuple(int(p) for p in md.version(name).split(".")[:2] if p.isdigit())
+        have = md.version(name)
     except md.PackageNotFoundError:
         have = None
-    if have is None or have < NEEDS.get(name, ()):
+    if have is None or not wanted.get(name, SpecifierSet()).contains(have, prereleases=True):
         print(wheel)
 PY
 )
 [ -z "$OPT" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site $OPT \
   || exit 1
 echo "installed from .whl/opt: $(echo $OPT | xargs -n1 basename 2>/dev/null | tr '\n' ' ')"
+# DeepGEMM's Python JIT package (the image's nvcc compiles its kernels; the engine uses it where it imports).
+[ ! -f .dg/pinned.tgz ] || { tar xzf .dg/pinned.tgz -C /tmp/site && echo "installed DeepGEMM from .dg/pinned.tgz"; } \
+  || exit 1
 MODEL=/tmp/wg/llama3-8b-fp8-block
 RUN=/tmp/gpuout/run-$(date +%H%M%S)
 mkdir -p $RUN
@@ -42,6 +51,9 @@ for step in "$@"; do
             # 2026-12-04 it died at its preload, and every engine start in these runs fell back to spawning.
             python3 -c "import engine.grammar; engine.grammar.load_xgrammar()" \
               || echo "WARNING: xgrammar does not import: carry what it needs in .whl/opt" ;;
+    h200)   # Acceptance figures come from the H200 alone: on any other card the steps after this one do not run.
+            CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+            case $CARD in *H200*) echo "card: $CARD" ;; *) echo "not an H200 ($CARD): stopping before the rest"; exit 3 ;; esac ;;
     probe)  timeout ${PROBE_TIMEOUT:-150} python3 bench/cublas_blockwise_rule.py --out $RUN | tail -30 ;;
     tests)  timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu ${TESTS_ARGS:-tests/test_gpu.py} -p no:cacheprovider 2>&1 \
               | tee $RUN/pytest_gpu.txt | tail -40 ;;
