@@ -5,8 +5,8 @@
 # The serving acceptance (setup + serve fit one 10-minute device call: ~10 s wheels, ~25 s synth, serve <= 480 s):
 #   bash bench/gpu_serving.sh setup serve        # SERVE_ARGS / SERVE_TIMEOUT override
 # Issue 25's acceptance, in two calls on the H200 only (`h200` stops the rest on any other card):
-#   SPEED_LOADS="table long" bash bench/gpu_serving.sh setup h200 profile speed    # ~7 min
-#   PREFIX_RAMPS=0 bash bench/gpu_serving.sh setup h200 prefix                       # one cached/uncached pair, ~3 min
+#   SPEED_LOADS="table long" bash bench/gpu_serving.sh setup h200 profile speed    # one call
+#   PREFIX_RAMPS=0 bash bench/gpu_serving.sh setup h200 prefix                       # one cached/uncached pair
 # Results go to a folder under /tmp/gpuout, packed at the end into $OUT/results.tgz (markdown copied beside it).
 # The synthetic llama3-8b fp8-block checkpoint stays in /tmp/wg while the machine is warm.
 set -uo pipefail
