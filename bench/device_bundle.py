@@ -2,6 +2,7 @@
 
     python bench/device_bundle.py                                  # .whl/ and .gputok/
     python bench/device_bundle.py --deep-gemm DIR --cutlass DIR    # and .dg/pinned.tgz (DIR: git clones, bare is fine)
+    python bench/device_bundle.py --check                          # only: is every dependency placed? (CI runs it)
 
 The device machine (docs/benchmarks.md) has torch, Triton and CUDA but no network and none of the gateway's own
 packages; a call carries ignored folders of this checkout (`carry: [".whl", ".gputok", ".dg"]`), and
@@ -92,10 +93,17 @@ def closure(root: str = "warmgate", extras: tuple[str, ...] = ("cuda",)) -> dict
     return found
 
 
-def wheels(out: Path, needed: dict[str, str | None]) -> None:
+def check_placed(needed: dict[str, str | None]) -> None:
+    """Exit naming any dependency that is in none, or more than one, of the three lists."""
     unplaced = sorted(set(needed) - CARRIED - WHERE_OLDER - IMAGE)
     if unplaced:
         sys.exit(f"place these in CARRIED, WHERE_OLDER or IMAGE first: {', '.join(unplaced)}")
+    twice = sorted((CARRIED & WHERE_OLDER) | (CARRIED & IMAGE) | (WHERE_OLDER & IMAGE))
+    if twice:
+        sys.exit(f"in more than one of CARRIED, WHERE_OLDER and IMAGE: {', '.join(twice)}")
+
+
+def wheels(out: Path, needed: dict[str, str | None]) -> None:
     for folder, names in ((out / ".whl", CARRIED), (out / ".whl" / "opt", WHERE_OLDER)):
         missing = sorted(n for n in names if needed.get(n) is None and n in needed)
         if missing:
@@ -163,10 +171,16 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT, help="the checkout whose ignored folders to fill")
     parser.add_argument("--deep-gemm", type=Path, help="a git clone of deepseek-ai/DeepGEMM")
     parser.add_argument("--cutlass", type=Path, help="a git clone of NVIDIA/cutlass")
+    parser.add_argument("--check", action="store_true", help="only check that every dependency is placed")
     args = parser.parse_args()
     if (args.deep_gemm is None) != (args.cutlass is None):
         parser.error("--deep-gemm and --cutlass go together")
-    wheels(args.out, closure())
+    needed = closure()
+    check_placed(needed)
+    if args.check:
+        print(f"all {len(needed)} dependencies placed")
+        return
+    wheels(args.out, needed)
     tokenizer(args.out)
     if args.deep_gemm:
         deep_gemm(args.out, args.deep_gemm, args.cutlass)
