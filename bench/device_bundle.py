@@ -10,12 +10,12 @@ packages; a call carries ignored folders of this checkout (`carry: [".whl", ".gp
 tests, with the image's torch, Triton and numpy:
 
   .whl/            CPython 3.12 x86-64 wheels of the packages the image lacks, installed over it
-  .whl/opt/        packages the image has, maybe older: installed where the image's is missing or older
+  .whl/opt/        packages the image may have: installed where it lacks one or has a version pyproject refuses
   .gputok/         the demo checkpoint's tokenizer (`model synth --tokenizer .gputok`: text for synthetic models)
   .dg/pinned.tgz   DeepGEMM's Python JIT package at pyproject's pinned commit, CUTLASS's headers in its include/
 
 Every package warmgate needs at run time (its dependency closure in this venv, with the `cuda` extra) is in exactly one
-of CARRIED, WHERE_OLDER and IMAGE; a new dependency stops this script until it is placed.
+of CARRIED, WHERE_NEEDED and IMAGE; a new dependency stops this script until it is placed.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import importlib.metadata as md
 import io
-import re
 import shutil
 import subprocess
 import sys
@@ -34,6 +33,7 @@ from pathlib import Path
 
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -49,7 +49,7 @@ CARRIED = {
     "python-dotenv", "setproctitle", "starlette", "typing-extensions", "typing-inspection", "uvicorn", "uvloop",
 }  # fmt: skip
 # On the image in some version: xgrammar's (tvm-ffi) and the tokenizer's (tokenizers: DecodeStream came in 0.21).
-WHERE_OLDER = {
+WHERE_NEEDED = {
     "apache-tvm-ffi", "hf-xet", "httpcore2", "httpx2", "huggingface-hub", "kernels", "tokenizers", "tomlkit",
     "transformers", "truststore", "xgrammar",
 }  # fmt: skip
@@ -63,17 +63,14 @@ IMAGE = {
 }  # fmt: skip
 
 
-def canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
 def closure(root: str = "warmgate", extras: tuple[str, ...] = ("cuda",)) -> dict[str, str | None]:
     """Every distribution ``root`` needs on the device's Python, with its version here (None: not installed here)."""
-    env = {**default_environment(), "python_version": PYTHON, "python_full_version": f"{PYTHON}.0"}
+    env: dict[str, str] = {key: str(value) for key, value in default_environment().items()}
+    env |= {"python_version": PYTHON, "python_full_version": f"{PYTHON}.0"}
     found: dict[str, str | None] = {}
 
     def walk(name: str, extras: tuple[str, ...]) -> None:
-        key = canonical(name)
+        key = canonicalize_name(name)
         if key in found:
             return
         try:
@@ -95,16 +92,16 @@ def closure(root: str = "warmgate", extras: tuple[str, ...] = ("cuda",)) -> dict
 
 def check_placed(needed: dict[str, str | None]) -> None:
     """Exit naming any dependency that is in none, or more than one, of the three lists."""
-    unplaced = sorted(set(needed) - CARRIED - WHERE_OLDER - IMAGE)
+    unplaced = sorted(set(needed) - CARRIED - WHERE_NEEDED - IMAGE)
     if unplaced:
-        sys.exit(f"place these in CARRIED, WHERE_OLDER or IMAGE first: {', '.join(unplaced)}")
-    twice = sorted((CARRIED & WHERE_OLDER) | (CARRIED & IMAGE) | (WHERE_OLDER & IMAGE))
+        sys.exit(f"place these in CARRIED, WHERE_NEEDED or IMAGE first: {', '.join(unplaced)}")
+    twice = sorted((CARRIED & WHERE_NEEDED) | (CARRIED & IMAGE) | (WHERE_NEEDED & IMAGE))
     if twice:
-        sys.exit(f"in more than one of CARRIED, WHERE_OLDER and IMAGE: {', '.join(twice)}")
+        sys.exit(f"in more than one of CARRIED, WHERE_NEEDED and IMAGE: {', '.join(twice)}")
 
 
 def wheels(out: Path, needed: dict[str, str | None]) -> None:
-    for folder, names in ((out / ".whl", CARRIED), (out / ".whl" / "opt", WHERE_OLDER)):
+    for folder, names in ((out / ".whl", CARRIED), (out / ".whl" / "opt", WHERE_NEEDED)):
         missing = sorted(n for n in names if needed.get(n) is None and n in needed)
         if missing:
             sys.exit(f"not installed in this venv (run `make setup`): {', '.join(missing)}")
