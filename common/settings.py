@@ -69,6 +69,15 @@ class EngineSettings(BaseModel):
     # 33.3 ms a graph), so prefill throughput holds while waiting prompts and decodes go every ~16 ms instead of ~33:
     # against 2,048, 64 streams' TTFT p50 121 -> 82 ms, 128 streams' 150 -> 93, the cached prefix wave's 118-119 -> 85
     # and 109 (docs/benchmarks.md, 2026-12-04).
+    kv_cache_dtype: Annotated[
+        Literal["auto", "fp8"],
+        Field(
+            description="what the KV cache keeps keys and values in; auto: the compute dtype; fp8: float8 e4m3 with "
+            "a scale of 1, as vLLM's kv_cache_dtype=fp8 without calibrated scales (a byte a value, half of bf16's: "
+            "twice the tokens in the same memory, half the bytes a decode step reads; values rounded to 3 mantissa "
+            "bits, so outputs differ from auto's); the vllm backend passes it to vLLM",
+        ),
+    ] = "auto"
     max_num_batched_tokens: Annotated[
         int, Field(ge=16, description="tokens per scheduler step (prompt chunks + decode tokens)")
     ] = 1024

@@ -49,13 +49,14 @@ def make_batch(specs: list[tuple[int, int]], blocks: int, device: torch.device, 
 
 
 def check_paged_attention(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, dim: int,
-                          tolerance: float) -> None:  # fmt: skip
+                          tolerance: float, kv_dtype: torch.dtype | None = None) -> None:  # fmt: skip
+    """``kv_dtype``: the cache's element type where it is not ``dtype`` (fp8: the reference reads its values)."""
     from engine.native.triton_attention import paged_attention
 
     gen = torch.Generator().manual_seed(heads * dim)
     blocks = 320
-    k = torch.randn(blocks * PAGE, kv_heads, dim, generator=gen).to(device, dtype)
-    v = torch.randn(blocks * PAGE, kv_heads, dim, generator=gen).to(device, dtype)
+    k = torch.randn(blocks * PAGE, kv_heads, dim, generator=gen).to(device, kv_dtype or dtype)
+    v = torch.randn(blocks * PAGE, kv_heads, dim, generator=gen).to(device, kv_dtype or dtype)
     # (context after the step, rows) per sequence, the batch's max_query_len, padding sequences, padding token rows,
     # the first positions every sequence holds in the same blocks
     shared = [(200 + 50, 50), (200 + 9, 9), (200 + 31, 1), (200 + 40, 1), (200 + 3, 3), (200 + 70, 1), (200 + 18, 18)]
@@ -134,12 +135,14 @@ def check_split_decode_quantized_for_the_gemm(device: torch.device, dtype: torch
     assert made_once.scale.stride() == (1, many) and torch.equal(made_once.scale, ref_s)
 
 
-def check_decode_attention_rotates_and_writes_its_token(device: torch.device, dtype: torch.dtype) -> None:
+def check_decode_attention_rotates_and_writes_its_token(device: torch.device, dtype: torch.dtype,
+                                                        kv_dtype: torch.dtype | None = None) -> None:  # fmt: skip
     """A decode step given the unrotated q/k/v projection (triton_attention.Rope) against rope_kv_write and then the
     same attention: the same keys and values in the cache, the same output (the rotation is one shared FMA), also
     quantized for o_proj, for every way of splitting the walk (the new token in a split of
     its own, in a split with others; splits left empty), and in a graph-shaped launch (padding sequences and rows,
-    which write nothing)."""
+    which write nothing). ``kv_dtype``: the cache's element type where it is not ``dtype`` (fp8: both round the
+    rotated keys from fp32 and the values from the projection once)."""
     from engine.native.fused_ops import Quantized, rope_kv_write
     from engine.native.triton_attention import Rope, paged_attention
     from engine.native.triton_fp8 import quantize_groups
@@ -158,8 +161,8 @@ def check_decode_attention_rotates_and_writes_its_token(device: torch.device, dt
         qkv = torch.randn(rows + pad_rows, (heads + 2 * kv_heads) * dim, generator=gen).to(device, dtype)
         angles = torch.rand(rows + pad_rows, dim // 2, generator=gen).to(device) * 6
         cos, sin = angles.cos(), angles.sin()
-        k = torch.randn(blocks * PAGE, kv_heads, dim, generator=gen).to(device, dtype)
-        v = torch.randn(blocks * PAGE, kv_heads, dim, generator=gen).to(device, dtype)
+        k = torch.randn(blocks * PAGE, kv_heads, dim, generator=gen).to(device, kv_dtype or dtype)
+        v = torch.randn(blocks * PAGE, kv_heads, dim, generator=gen).to(device, kv_dtype or dtype)
         k_ref, v_ref = k.clone(), v.clone()
         launch = {"block_n": 16, "split_kv": split_kv} if split_kv else {}
         q = rope_kv_write(qkv, cos, sin, k_ref, v_ref, slots, heads, kv_heads)
@@ -167,8 +170,8 @@ def check_decode_attention_rotates_and_writes_its_token(device: torch.device, dt
         got = paged_attention(qkv, k, v, batch, dim**-0.5, rope=Rope(cos, sin, slots, heads), **launch)
         assert not isinstance(got, Quantized) and not isinstance(expected, Quantized)
         real = slice(PAGE, None)  # rope_kv_write also wrote the padding rows into the null block
-        assert torch.equal(k[real], k_ref[real]) and torch.equal(v[real], v_ref[real]), name
-        assert not torch.equal(k[new], torch.zeros_like(k[new])), name
+        assert torch.equal(bits(k[real]), bits(k_ref[real])) and torch.equal(bits(v[real]), bits(v_ref[real])), name
+        assert bits(k[new]).any(), name
         torch.testing.assert_close(got[:rows], expected[:rows], rtol=0, atol=0, msg=name)
         # and quantized for o_proj (as the model asks: quantize_rows = T), from the merge or the one walk's store
         k2, v2 = k_ref.clone(), v_ref.clone()
@@ -180,6 +183,11 @@ def check_decode_attention_rotates_and_writes_its_token(device: torch.device, dt
         ref_q, ref_s = quantize_groups(expected, rows + pad_rows)
         assert torch.equal(made.q[:rows].view(torch.uint8), ref_q[:rows].view(torch.uint8)), name
         assert torch.equal(made.scale[:rows], ref_s[:rows]), name
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes, compared for equality in any dtype (float8 ones too)."""
+    return t.contiguous().view(torch.uint8)
 
 
 def record_shared_prefixes(engine: Any) -> list[tuple[int, int, int]]:

@@ -139,17 +139,19 @@ def _generate_each(engine: LLMEngine, ids: list[list[int]], params: list[Samplin
     return outputs
 
 
-def test_prefix_caching_changes_no_greedy_token(demo_path, tokenizer) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_prefix_caching_changes_no_greedy_token(demo_path, tokenizer, kv_cache_dtype: str) -> None:
     """Prompts sharing a long prefix (a system prompt, then questions of every length), some twice, with the
-    cache on (the prefix computed once, then taken from the cache) and off: the same greedy tokens."""
+    cache on (the prefix computed once, then taken from the cache) and off: the same greedy tokens; with the KV
+    cache in the compute dtype and in fp8."""
     path = demo_path("bf16")
     system = tokenizer.encode("You are a helpful assistant who answers briefly and precisely. " * 4).ids
     prompts = [system + tokenizer.encode(q).ids for q in ["Why is the sky blue?", "Name a prime.", "2+2=",
                "Write one line about the sea and the wind and the rain."]]  # fmt: skip
     prompts += prompts[:2]
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    expected = _engine(path, enable_prefix_caching=False).generate(prompts, greedy)
-    on = _engine(path)
+    expected = _engine(path, enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype).generate(prompts, greedy)
+    on = _engine(path, kv_cache_dtype=kv_cache_dtype)
     allocator = on.scheduler.allocator
     assert on.generate(prompts, greedy) == expected  # at once: the first computes the prefix, the rest wait for it
     assert allocator.hit_tokens >= (len(prompts) - 1) * (len(system) // 16 * 16)
@@ -157,11 +159,31 @@ def test_prefix_caching_changes_no_greedy_token(demo_path, tokenizer) -> None:
     assert on.kv_blocks_free == on.kv_blocks_total
     # A cache of 10 blocks (160 positions) for 4 sequences of ~75 tokens: sequences are preempted while they share
     # blocks, and cached prefixes are evicted for others; the answers stay the same.
-    tight = _engine(path, max_num_seqs=4, max_model_len=128, kv_cache_bytes=11 * 16 * on.kv.spec.bytes_per_token)
+    tight = _engine(path, max_num_seqs=4, max_model_len=128, kv_cache_bytes=11 * 16 * on.kv.spec.bytes_per_token,
+                    kv_cache_dtype=kv_cache_dtype)  # fmt: skip
     assert tight.kv_blocks_total == 10
     assert tight.generate(prompts, greedy) == expected
     assert tight.num_preemptions > 0 and tight.scheduler.allocator.hit_tokens > 0
     assert tight.kv_blocks_free == tight.kv_blocks_total
+
+
+def test_an_fp8_kv_cache_holds_a_token_in_a_quarter_of_the_cpus_bytes_and_answers_close_to_it(demo_path,
+                                                                                               prompt_ids) -> None:
+    """kv_cache_dtype = "fp8": keys and values in float8 e4m3, a byte each against fp32's four on the CPU, so the
+    same KV budget holds four times the tokens (the memory plan and /health see it); the greedy answers are the
+    fp32 cache's for their first tokens (the demo model, whose keys and values fit e4m3's range)."""
+    path = demo_path("bf16")
+    auto = _engine(path)
+    fp8 = _engine(path, kv_cache_dtype="fp8", kv_cache_bytes=auto.kv.spec.total_bytes)
+    assert (auto.kv.k.dtype, fp8.kv.k.dtype, fp8.kv.v.dtype) == (torch.float32, torch.float8_e4m3fn,
+                                                                  torch.float8_e4m3fn)  # fmt: skip
+    assert (auto.memory["kv_cache_dtype"], fp8.memory["kv_cache_dtype"]) == ("float32", "float8_e4m3fn")
+    assert fp8.kv.spec.bytes_per_token * 4 == auto.kv.spec.bytes_per_token
+    assert fp8.kv_blocks_total == 4 * (auto.kv_blocks_total + 1) - 1  # the same bytes (the null block included)
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    close = [a[:4] == b[:4] for a, b in zip(auto.generate(prompt_ids, greedy), fp8.generate(prompt_ids, greedy),
+                                             strict=True)]  # fmt: skip
+    assert sum(close) >= len(close) - 1, close
 
 
 def test_a_step_of_questions_after_a_cached_prefix_tells_attention_the_blocks_they_share(

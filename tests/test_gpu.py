@@ -407,6 +407,7 @@ def test_decode_attention_rotates_its_queries_and_writes_its_token() -> None:
     from attention_cases import check_decode_attention_rotates_and_writes_its_token
 
     check_decode_attention_rotates_and_writes_its_token(torch.device("cuda"), torch.bfloat16)
+    check_decode_attention_rotates_and_writes_its_token(torch.device("cuda"), torch.bfloat16, torch.float8_e4m3fn)
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(32, 8, 128), (9, 3, 64), (16, 8, 128), (8, 4, 256)])
@@ -415,6 +416,14 @@ def test_paged_attention_kernel_matches_reference(heads: int, kv_heads: int, dim
     from attention_cases import check_paged_attention
 
     check_paged_attention(torch.device("cuda"), torch.bfloat16, heads, kv_heads, dim, tolerance=2e-2)
+
+
+def test_paged_attention_kernel_reads_an_fp8_cache_as_the_reference_does() -> None:
+    """kv_cache_dtype = "fp8": the compiled kernel converts float8 e4m3 keys and values to bf16 as it reads them."""
+    from attention_cases import check_paged_attention
+
+    fp8 = torch.float8_e4m3fn
+    check_paged_attention(torch.device("cuda"), torch.bfloat16, 32, 8, 128, tolerance=2e-2, kv_dtype=fp8)
 
 
 def test_split_decode_hands_o_proj_its_input_quantized_as_quantize_groups_does() -> None:

@@ -52,6 +52,16 @@ def test_paged_attention_kernel_matches_reference(heads: int, kv_heads: int, dim
     """)
 
 
+def test_paged_attention_kernel_reads_an_fp8_cache_as_the_reference_does() -> None:
+    """kv_cache_dtype = "fp8": keys and values kept as float8 e4m3 (scale 1), read as their values."""
+    _interpreted("""
+        import torch
+        from attention_cases import check_paged_attention
+        check_paged_attention(torch.device("cpu"), torch.float32, 9, 3, 64, tolerance=1e-4,
+                              kv_dtype=torch.float8_e4m3fn)
+    """)
+
+
 def test_split_decode_hands_o_proj_its_input_quantized() -> None:
     """engine/native/triton_attention.py: a split decode step's merge quantizes o_proj's input (head dim 128, bf16)
     to the codes and scales quantize_groups gives its unquantized output; one walk, or other rows, stay bf16."""
@@ -129,6 +139,7 @@ def test_decode_attention_rotates_its_queries_and_writes_its_token() -> None:
         import torch
         from attention_cases import check_decode_attention_rotates_and_writes_its_token
         check_decode_attention_rotates_and_writes_its_token(torch.device("cpu"), torch.float32)
+        check_decode_attention_rotates_and_writes_its_token(torch.device("cpu"), torch.float32, torch.float8_e4m3fn)
     """)
 
 
@@ -152,6 +163,13 @@ def test_rope_kv_write_writes_each_token_to_its_slot(t: int) -> None:
         torch.testing.assert_close(k_cache[slots], k_ref)
         assert torch.equal(v_cache[slots], qkv[:, (heads + kv_heads) * dim :].view(t, kv_heads, dim))
         assert int((k_cache != 0).any(dim=-1).sum()) == t * kv_heads
+        # an fp8 cache (kv_cache_dtype = "fp8"): each key and value rounded once to float8 e4m3
+        fp8 = torch.float8_e4m3fn
+        k8, v8 = torch.zeros(128, kv_heads, dim, dtype=fp8), torch.zeros(128, kv_heads, dim, dtype=fp8)
+        torch.testing.assert_close(rope_kv_write(qkv, cos, sin, k8, v8, slots, heads, kv_heads), q, rtol=0, atol=0)
+        torch.testing.assert_close(k8[slots].float(), k_ref.to(fp8).float(), rtol=0.07, atol=2**-9)
+        assert torch.equal(v8[slots].view(torch.uint8), qkv[:, (heads + kv_heads) * dim :].view(t, kv_heads, dim)
+                           .to(fp8).view(torch.uint8))  # fmt: skip
     """)
 
 

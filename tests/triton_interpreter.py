@@ -30,6 +30,31 @@ def enable() -> None:
 
     patched.warmgate_patched = True  # type: ignore[attr-defined]
     interpreter._patch_lang_tensor = patched
+    interpreter._convert_float = _rounding_to_fp8_as_sm90(interpreter._convert_float)
+
+
+def _rounding_to_fp8_as_sm90(convert):  # type: ignore[no-untyped-def]
+    """The interpreter's float -> float8 e4m3 conversion (Triton 3.9) rounds ties up rather than to even, does not
+    carry a mantissa that rounds up into the exponent (1.98 -> 1.0), and does not saturate. sm_90 rounds to nearest
+    even and saturates at 448 (cvt.rn.satfinite): that, through torch, for an fp8 KV cache's writes."""
+    import numpy as np
+    import torch
+    import triton.language as tl
+
+    wide = {tl.float32: np.float32, tl.float16: np.float16}
+
+    def converted(input, input_dtype, output_dtype, rounding_mode):  # type: ignore[no-untyped-def]
+        if output_dtype != tl.float8e4nv or input_dtype not in (*wide, tl.bfloat16):
+            return convert(input, input_dtype, output_dtype, rounding_mode)
+        if input_dtype == tl.bfloat16:  # bf16 is fp32's upper half
+            values = torch.from_numpy(np.ascontiguousarray(input).view(np.uint16).astype(np.int32) << 16).view(
+                torch.float32)  # fmt: skip
+        else:
+            values = torch.from_numpy(np.ascontiguousarray(input).view(wide[input_dtype]).astype(np.float32))
+        fp8 = torch.float8_e4m3fn
+        return values.clamp(-torch.finfo(fp8).max, torch.finfo(fp8).max).to(fp8).view(torch.uint8).numpy()
+
+    return converted
 
 
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg", "launch_pdl")  # compile options among a launch's keywords
@@ -137,6 +162,7 @@ def resources(binary) -> dict[str, object]:  # type: ignore[no-untyped-def]
     memory asynchronously (what the pipeliner made of a loop's loads: none means every tile waits for its load), and
     its L2 prefetches placed before its PDL wait (the PTX's ``prefetch.global.L2`` ahead of ``griddepcontrol.wait``).
     Registers and local memory from cuobjdump (Triton's NVIDIA backend carries it)."""
+    import hashlib
     import re
     import subprocess
     import tempfile
@@ -162,5 +188,9 @@ def resources(binary) -> dict[str, object]:  # type: ignore[no-untyped-def]
     ptx = binary.asm["ptx"]
     wait = ptx.find("griddepcontrol.wait")
     early_prefetches = ptx.count("prefetch.global.L2", 0, wait) if wait >= 0 else 0
+    # The PTX without its line table (.loc/.file and the debug sections): equal across two trees where the code the
+    # kernel compiles to is, however its source lines moved.
+    code = re.sub(r"^\s*(\.loc|\.file)\b.*$\n?", "", ptx.split(".section\t.debug")[0], flags=re.M)
     return {"registers": registers, "spilled": stack + local, "shared": shared, "programs_per_sm": per_sm,
-            "async_copies": copies, "prefetches_before_wait": early_prefetches}  # fmt: skip
+            "async_copies": copies, "prefetches_before_wait": early_prefetches,
+            "ptx_digest": hashlib.sha256(code.encode()).hexdigest()[:12]}  # fmt: skip

@@ -64,8 +64,9 @@ def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         if n == 0:
             continue
         length = slots.shape[0]
-        keys = k_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # [1, kv_heads, L, d]
-        values = v_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+        # [1, kv_heads, L, d] in q's dtype (an fp8 cache's codes are the values: its scale is 1)
+        keys = k_cache.index_select(0, slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
+        values = v_cache.index_select(0, slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
         query = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
         mask = None
         if 1 < n < length:  # a later chunk: row i sees keys 0..length-n+i

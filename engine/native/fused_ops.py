@@ -237,16 +237,21 @@ def _rope_kv_write(qkv_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, slot_ptr, t
     r1 = rotated(x1, -x2, c, s)
     r2 = rotated(x2, x1, c, s)
     if h < HEADS:
-        dst = q_ptr + (t[:, None] * HEADS + h) * 2 * HALF + offs[None, :]
+        _store_halves(q_ptr + (t[:, None] * HEADS + h) * 2 * HALF + offs[None, :], r1, r2, live, HALF)
     else:
         kv = h - HEADS
         cache = slot[:, None] * stride_slot + kv * stride_head
-        dst = kc_ptr + cache + offs[None, :]
+        _store_halves(kc_ptr + cache + offs[None, :], r1, r2, live, HALF)
         v_src = qkv_ptr + t[:, None] * stride_t + (HEADS + KV_HEADS + kv) * 2 * HALF + offs[None, :]
-        tl.store(vc_ptr + cache + offs[None, :], tl.load(v_src, mask=live), mask=live)
-        tl.store(vc_ptr + cache + HALF + offs[None, :], tl.load(v_src + HALF, mask=live), mask=live)
-    tl.store(dst, r1.to(q_ptr.dtype.element_ty), mask=live)
-    tl.store(dst + HALF, r2.to(q_ptr.dtype.element_ty), mask=live)
+        _store_halves(vc_ptr + cache + offs[None, :], tl.load(v_src, mask=live), tl.load(v_src + HALF, mask=live),
+                      live, HALF)  # fmt: skip
+
+
+@triton.jit
+def _store_halves(dst, first, second, mask, HALF: tl.constexpr):
+    """A head's two halves, each rounded once to what ``dst`` holds (the queries' dtype, or a cache's: fp8 too)."""
+    tl.store(dst, first.to(dst.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, second.to(dst.dtype.element_ty), mask=mask)
 
 
 def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,

@@ -26,6 +26,15 @@ from engine.native.kv_memory import KVGeometry, KVMemory
 NULL_BLOCK = 0  # reserved: padding writes land here, no sequence reads it
 
 
+KV_FP8 = torch.float8_e4m3fn
+KV_FP8_MAX = torch.finfo(KV_FP8).max  # 448: what a key or value beyond it is stored as (the CUDA kernels saturate)
+
+
+def kv_cache_dtype(compute: torch.dtype, setting: str) -> torch.dtype:
+    """The cache's element type for the engine setting ``kv_cache_dtype`` (common/settings.py)."""
+    return KV_FP8 if setting == "fp8" else compute
+
+
 def kv_bytes_per_token(shape: ModelShape, dtype: torch.dtype) -> int:
     """Keys and values of one position, every layer."""
     return shape.layers * 2 * shape.kv_heads * shape.head_dim * torch.finfo(dtype).bits // 8
@@ -93,9 +102,12 @@ class KVCache:
         self.v = self.memory.buffer[half:].view(dtype).view(dims)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        """k, v [T, kv_heads, head_dim]: row t goes to cache slot slots[t]."""
-        self.k[layer].index_copy_(0, slots, k)
-        self.v[layer].index_copy_(0, slots, v)
+        """k, v [T, kv_heads, head_dim]: row t goes to cache slot slots[t], in the cache's element type."""
+        for cache, rows in ((self.k[layer], k), (self.v[layer], v)):
+            if cache.dtype == KV_FP8:  # saturating, as the CUDA kernels' conversion; torch's makes NaN past 448
+                rows = rows.clamp(-KV_FP8_MAX, KV_FP8_MAX).to(KV_FP8)
+            # as bytes: index_copy_ has no float8 kernel on the CPU
+            cache.view(torch.uint8).index_copy_(0, slots, rows.to(cache.dtype).view(torch.uint8))
 
 
 class BlockAllocator:

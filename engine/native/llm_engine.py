@@ -43,7 +43,14 @@ from engine.grammar import GrammarState, TokenMasks
 from engine.memory_plan import DeviceMemory, MemoryPlan, default_max_num_seqs, working_bytes
 from engine.memory_plan import plan as plan_memory
 from engine.native.deep_gemm import DeepGemm
-from engine.native.kv_cache import BlockAllocator, KVCache, KVCacheSpec, kv_block_bytes, kv_bytes_per_token
+from engine.native.kv_cache import (
+    BlockAllocator,
+    KVCache,
+    KVCacheSpec,
+    kv_block_bytes,
+    kv_bytes_per_token,
+    kv_cache_dtype,
+)
 from engine.native.kv_memory import FIRST_BYTES, block_multiple, granularity
 from engine.native.model import ModelArgs, Transformer
 from engine.native.model_runner import ModelRunner, StepOutput
@@ -86,6 +93,7 @@ class LLMEngine(EngineThread[Sequence]):
                 torch.cuda.set_device(self.device)
                 torch.zeros(1, device=self.device)  # create the context now, not on the first request
             self.dtype = compute_dtype(self.device, config.dtype)
+            self.kv_dtype = kv_cache_dtype(self.dtype, config.kv_cache_dtype)
             if config.weights != "disk":
                 preload_transport(self.device)  # the CUDA driver bindings: an import, not part of the attach
         with self._phase("weight_load"):
@@ -101,13 +109,14 @@ class LLMEngine(EngineThread[Sequence]):
             planned = self._plan_memory(loaded)
             self.max_num_seqs, self.max_model_len = planned.max_num_seqs, planned.max_model_len
             shape, reserve = self.args.shape, config.reserve_kv
-            block_bytes = kv_block_bytes(shape, self.dtype, config.block_size)
+            block_bytes = kv_block_bytes(shape, self.kv_dtype, config.block_size)
             multiple = block_multiple(block_bytes, granularity(self.device, reserve))
-            spec = KVCacheSpec.plan(shape, self.dtype, self.max_num_seqs, self.max_model_len,
+            spec = KVCacheSpec.plan(shape, self.kv_dtype, self.max_num_seqs, self.max_model_len,
                                     planned.kv_cache_bytes, config.block_size, multiple)  # fmt: skip
             headroom = planned.device.commit_headroom if planned.device else 0
-            self.kv = KVCache(shape, spec, self.dtype, self.device, reserve, multiple, headroom)
-        self.memory = {**planned.describe(), "kv_cache_bytes": spec.total_bytes, "kv_tokens": spec.usable_tokens}
+            self.kv = KVCache(shape, spec, self.kv_dtype, self.device, reserve, multiple, headroom)
+        self.memory = {**planned.describe(), "kv_cache_bytes": spec.total_bytes, "kv_tokens": spec.usable_tokens,
+                       "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch.")}  # fmt: skip
         log_event(log, "memory_plan", **{k: v for k, v in self.memory.items() if k != "device"},
                   **(planned.device.describe() if planned.device else {}))  # fmt: skip
         allocator = BlockAllocator(spec, prefix_caching=config.enable_prefix_caching)
@@ -144,7 +153,7 @@ class LLMEngine(EngineThread[Sequence]):
                                   working=working_bytes(shape, config.max_num_batched_tokens, seqs),
                                   kv_share=config.kv_share, engines=config.engines, reserved=config.reserve_kv,
                                   kv_first=FIRST_BYTES if config.reserve_kv else 0)  # fmt: skip
-        per_token = kv_bytes_per_token(shape, self.dtype)
+        per_token = kv_bytes_per_token(shape, self.kv_dtype)
         return plan_memory(self.args.max_position_embeddings, per_token, self.device.type, config.max_num_seqs,
                            config.max_model_len, config.kv_cache_bytes, device)  # fmt: skip
 
@@ -168,8 +177,6 @@ class LLMEngine(EngineThread[Sequence]):
         seq = self._sequence(stream.request_id, prompt_ids, params, stream.push)
         if params.grammar is not None:
             seq.grammar = GrammarState(params.grammar, output)  # a resume replays what was generated
-        if params.prompt_logprobs is not None:
-            seq.prompt_logprobs = [None]  # the first prompt token: nothing predicts it
         if output:
             seq.output = output
             if seq.generator is not None and not params.greedy:
@@ -499,8 +506,11 @@ class LLMEngine(EngineThread[Sequence]):
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        return Sequence(request_id, list(prompt), params, emit, generator=generator,
-                        limit=min(len(prompt) + params.max_tokens, self.max_model_len))  # fmt: skip
+        seq = Sequence(request_id, list(prompt), params, emit, generator=generator,
+                       limit=min(len(prompt) + params.max_tokens, self.max_model_len))  # fmt: skip
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None]  # the first prompt token: nothing predicts it
+        return seq
 
 
 class StepStats:

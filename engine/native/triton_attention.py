@@ -142,6 +142,7 @@ def _paged_attention(
             k = _rotated_heads(token + (ROPE_HEADS + kv_head) * D, dims, dims < D, c, s, D)
             cache = slot * stride_ks + kv_head * stride_kh + dims
             tl.store(k_ptr + cache, k.to(k_ptr.dtype.element_ty))
+            # (the store rounds the value to the cache's type: an fp8 cache's too, to nearest even, saturating)
             tl.store(v_ptr + cache, tl.load(token + (ROPE_HEADS + tl.num_programs(1) + kv_head) * D + dims))
             tl.debug_barrier()  # every thread of the program sees the stores before its loads below
     for start in range(lo, hi, BLOCK_N):
@@ -278,6 +279,7 @@ def _attend(q, q_pos, rows_in, m_i, l_i, acc, k_ptr, v_ptr, table, start, end, k
         k = tl.load(k_ptr + offsets)
     else:
         k = tl.load(k_ptr + offsets, mask=kv_mask, other=0.0)
+    k = k.to(q.dtype)  # an fp8 cache's codes (scale 1); nothing for a cache in q's dtype
     scores = tl.dot(q, tl.trans(k)) * qk_scale
     if MASKED:
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
@@ -296,6 +298,7 @@ def _attend(q, q_pos, rows_in, m_i, l_i, acc, k_ptr, v_ptr, table, start, end, k
         v = tl.load(v_ptr + offsets)
     else:
         v = tl.load(v_ptr + offsets, mask=kv_mask, other=0.0)
+    v = v.to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc
 
@@ -328,6 +331,11 @@ class Launch(NamedTuple):
 
 
 MAX_SPLITS = 16
+# A decode walk over an fp8 cache converts each tile of keys and values to q's dtype: 168 registers a thread on sm_90
+# where a bf16 cache's takes 102-111, 3 programs an SM instead of 4, so 64 sequences' 512 programs take 1.29 waves
+# of 132 SMs instead of 0.97. Held to 128 it keeps 4 (no spill at 1-64 rows, 8 bytes at 128: bench/kernel_resources.py
+# --kv-cache-dtype fp8, compiled without a GPU; not yet timed on one).
+FP8_DECODE_REGISTERS = 128
 
 
 def launch_shape(group: int, max_query_len: int, programs: int, sms: int) -> Launch:
@@ -414,6 +422,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     else:
         grid, seqs_p2 = (t // block_q + seqs, kv_heads), triton.next_power_of_2(seqs)
     pdl = pdl_enabled(q.device) and t <= SMALL_ROWS
+    if maxnreg is None and k_cache.dtype == torch.float8_e4m3fn and batch.max_query_len == 1:
+        maxnreg = FP8_DECODE_REGISTERS
     _paged_attention[grid](
         q, k_cache, v_cache, dest, batch.block_tables, batch.seq_lens, batch.query_start,
         _none_shared(q.device) if batch.shared_prefix is None else batch.shared_prefix,

@@ -110,6 +110,7 @@ class VllmEngine(EngineThread[_Pending]):
                                        "engine_name": f"vllm-engine-{os.getpid()}"},
             disable_log_stats=True,
             enable_prefix_caching=config.enable_prefix_caching,
+            kv_cache_dtype=config.kv_cache_dtype,  # the same two names as vLLM's
             logprobs_mode="processed_logprobs",  # of the distribution sampled from, as the native engine reports
             logits_processors=[grammar_processor()],  # structured outputs with warmgate's grammars (resumable)
             **({"kv_cache_memory_bytes": kv_bytes} if kv_bytes else {}),
