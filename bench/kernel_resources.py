@@ -12,7 +12,9 @@ layer of each step (the 32 are alike) and its logits' argmax. cuBLAS' GEMMs abov
 
 Launch choices other than the engine's: ``--attention block_n=32,maxnreg=168`` adds the attention launches of the
 prompt steps again with those keyword arguments (engine/native/triton_attention.py's paged_attention), ``--decode
-split_kv=8`` those of the decode steps.
+split_kv=8`` those of the decode steps. ``--kv-cache-dtype fp8``: the KV cache in float8 e4m3 (the engine setting).
+Each launch's ``ptx_digest`` is its PTX without the line table: run in two trees, equal digests say a change left
+that kernel's code as it was.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ STEPS: dict[str, tuple[list[tuple[int, int]], bool]] = {
 }
 
 
-def record(path: str, step: str, attention: dict[str, int], decode: dict[str, int]) -> None:
+def record(path: str, step: str, attention: dict[str, int], decode: dict[str, int], kv_cache_dtype: str) -> None:
     """Run one step's kernel wrappers in the interpreter, launches recorded to ``path``, not run."""
     import triton_interpreter
 
@@ -74,7 +76,8 @@ def record(path: str, step: str, attention: dict[str, int], decode: dict[str, in
     triton_gemm = rows <= SMALL_M
     quantized = rows if triton_gemm else rows + -rows % CUBLAS_BLOCKWISE_ROWS  # as the cuBLAS path pads them
     x = torch.empty(rows, HIDDEN, dtype=bf16)
-    k_cache, v_cache = (torch.empty(blocks * batch.block_size, KV_HEADS, DIM, dtype=bf16) for _ in range(2))
+    kv = fp8 if kv_cache_dtype == "fp8" else bf16
+    k_cache, v_cache = (torch.empty(blocks * batch.block_size, KV_HEADS, DIM, dtype=kv) for _ in range(2))
     h = add_rms_norm(x, x, norm, 1e-5, quantized)
     qkv = fp8_block_gemm(h, *qkv_w) if triton_gemm else torch.empty(rows, qkv_w[0].shape[0], dtype=bf16)
     cos = sin = torch.empty(rows, DIM // 2)
@@ -108,7 +111,7 @@ def table(compiled: list[dict]) -> list[dict]:
         rows.append({"kernel": launch["name"], "choices": {**constants, **launch["options"]},
                      "registers": launch["registers"], "spilled": launch["spilled"], "shared": launch["shared"],
                      "programs_per_sm": launch["programs_per_sm"], "async_copies": launch["async_copies"],
-                     "prefetches_before_wait": launch["prefetches_before_wait"],
+                     "prefetches_before_wait": launch["prefetches_before_wait"], "ptx_digest": launch["ptx_digest"],
                      "programs": programs, "waves": round(programs / held, 2) if held else None})  # fmt: skip
     return rows
 
@@ -128,6 +131,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--attention", default="", help="extra attention launch choices, e.g. block_n=32,maxnreg=168")
     parser.add_argument("--decode", default="", help="extra decode attention launch choices, e.g. split_kv=8")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto", help="auto: bf16")
     parser.add_argument("--record", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -135,7 +139,7 @@ def main() -> None:
         return {k: int(v) for k, v in (pair.split("=") for pair in filter(None, text.split(",")))}
 
     if args.record:
-        record(*args.record, choices(args.attention), choices(args.decode))
+        record(*args.record, choices(args.attention), choices(args.decode), args.kv_cache_dtype)
         return
     import triton
     import triton_interpreter
@@ -145,13 +149,14 @@ def main() -> None:
         for step in STEPS:
             launches = str(Path(tmp) / "launches.jsonl")
             subprocess.run([sys.executable, __file__, "--record", launches, step, "--attention", args.attention,
-                            "--decode", args.decode], check=True)  # fmt: skip
+                            "--decode", args.decode, "--kv-cache-dtype", args.kv_cache_dtype], check=True)  # fmt: skip
             steps[step] = table(triton_interpreter.compile_launches(launches))
             print(f"\n{step} (one layer and the logits' argmax; Triton {triton.__version__}):\n\n"
                   f"{markdown(steps[step])}", flush=True)  # fmt: skip
     if args.out:
-        args.out.write_text(json.dumps({"target": "sm_90", "sms": SMS, "triton": triton.__version__, "steps": steps},
-                                       indent=1) + "\n")  # fmt: skip
+        found = {"target": "sm_90", "sms": SMS, "triton": triton.__version__, "kv_cache_dtype": args.kv_cache_dtype,
+                 "steps": steps}  # fmt: skip
+        args.out.write_text(json.dumps(found, indent=1) + "\n")
 
 
 if __name__ == "__main__":
