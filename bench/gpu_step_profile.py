@@ -142,13 +142,15 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")
     parser.add_argument("--skip-gemms", action="store_true")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto", help="the engine setting")
     args = parser.parse_args()
     gemms = [] if args.skip_gemms else gemm_table()
     t = time.perf_counter()
     engine = LLMEngine(EngineConfig(model=args.model, device="cuda", max_num_seqs=args.max_num_seqs,
                                     max_model_len=2048, max_num_batched_tokens=args.budget,
-                                    kv_cache_bytes=20 * 10**9))  # fmt: skip
+                                    kv_cache_bytes=20 * 10**9, kv_cache_dtype=args.kv_cache_dtype))  # fmt: skip
     result: dict[str, object] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                 "kv_cache_dtype": engine.memory["kv_cache_dtype"],
                                  "startup": {**engine.startup_phases, "total": time.perf_counter() - t},
                                  "decode": [], "mixed": [], "prefill": {}, "gemms": gemms}  # fmt: skip
     print(result["startup"], flush=True)
