@@ -170,8 +170,8 @@ def test_prefix_caching_changes_no_greedy_token(demo_path, tokenizer, kv_cache_d
 def test_an_fp8_kv_cache_holds_a_token_in_a_quarter_of_the_cpus_bytes_and_answers_close_to_it(demo_path,
                                                                                                prompt_ids) -> None:
     """kv_cache_dtype = "fp8": keys and values in float8 e4m3, a byte each against fp32's four on the CPU, so the
-    same KV budget holds four times the tokens (the memory plan and /health see it); the greedy answers are the
-    fp32 cache's for their first tokens (the demo model, whose keys and values fit e4m3's range)."""
+    same KV budget holds four times the tokens (the memory plan sees it); the greedy answers are the fp32 cache's
+    for their first tokens (the demo model, whose keys and values fit e4m3's range)."""
     path = demo_path("bf16")
     auto = _engine(path)
     fp8 = _engine(path, kv_cache_dtype="fp8", kv_cache_bytes=auto.kv.spec.total_bytes)
@@ -181,9 +181,8 @@ def test_an_fp8_kv_cache_holds_a_token_in_a_quarter_of_the_cpus_bytes_and_answer
     assert fp8.kv.spec.bytes_per_token * 4 == auto.kv.spec.bytes_per_token
     assert fp8.kv_blocks_total == 4 * (auto.kv_blocks_total + 1) - 1  # the same bytes (the null block included)
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    close = [a[:4] == b[:4] for a, b in zip(auto.generate(prompt_ids, greedy), fp8.generate(prompt_ids, greedy),
-                                             strict=True)]  # fmt: skip
-    assert sum(close) >= len(close) - 1, close
+    answers = zip(auto.generate(prompt_ids, greedy), fp8.generate(prompt_ids, greedy), strict=True)
+    assert all(a[:2] == b[:2] for a, b in answers)  # they part after 3-21 tokens (bench/kv_cache_dtype.py)
 
 
 def test_a_step_of_questions_after_a_cached_prefix_tells_attention_the_blocks_they_share(
