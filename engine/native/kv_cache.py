@@ -104,10 +104,10 @@ class KVCache:
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """k, v [T, kv_heads, head_dim]: row t goes to cache slot slots[t], in the cache's element type."""
         for cache, rows in ((self.k[layer], k), (self.v[layer], v)):
-            if cache.dtype == KV_FP8:  # saturating, as the CUDA kernels' conversion; torch's makes NaN past 448
-                rows = rows.clamp(-KV_FP8_MAX, KV_FP8_MAX).to(KV_FP8)
-            # as bytes: index_copy_ has no float8 kernel on the CPU
-            cache.view(torch.uint8).index_copy_(0, slots, rows.to(cache.dtype).view(torch.uint8))
+            if cache.dtype == KV_FP8:  # saturating, as the CUDA kernels' conversion (torch's makes NaN past 448);
+                cache = cache.view(torch.uint8)  # as bytes: index_copy_ has no float8 kernel on the CPU
+                rows = rows.clamp(-KV_FP8_MAX, KV_FP8_MAX).to(KV_FP8).view(torch.uint8)
+            cache.index_copy_(0, slots, rows)
 
 
 class BlockAllocator:
