@@ -7,6 +7,7 @@
 # Issue 25's acceptance, in two calls on the H200 only (`h200` stops the rest on any other card):
 #   SPEED_LOADS="table long" bash bench/gpu_serving.sh setup h200 profile speed    # one call
 #   PREFIX_RAMPS=0 bash bench/gpu_serving.sh setup h200 prefix                       # one cached/uncached pair
+# The fp8 KV cache against the default (its GPU tests and the decode steps): bash bench/gpu_serving.sh setup kv-fp8
 # Results go to a folder under /tmp/gpuout, packed at the end into $OUT/results.tgz (markdown copied beside it).
 # The synthetic llama3-8b fp8-block checkpoint stays in /tmp/wg while the machine is warm.
 set -uo pipefail
@@ -55,6 +56,30 @@ for step in "$@"; do
     h200)   # Acceptance figures come from the H200 alone: on any other card the steps after this one do not run.
             CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
             case $CARD in *H200*) echo "card: $CARD" ;; *) echo "not an H200 ($CARD): stopping before the rest"; exit 3 ;; esac ;;
+    kv-fp8) # The fp8 KV cache (kv_cache_dtype = "fp8"): its GPU tests, then the decode steps with it and without, in
+            # turn on one machine (fp8, auto, fp8, auto), the graphs' replay and the engine's step, ms.
+            timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/test_gpu.py -k "fp8_cache or rotates" \
+              -p no:cacheprovider 2>&1 | tee $RUN/pytest_kv_fp8.txt | tail -5
+            for run in fp8 auto fp8-2 auto-2; do
+              timeout ${PROFILE_TIMEOUT:-200} python3 bench/gpu_step_profile.py --model $MODEL --out $RUN/kv-$run \
+                --skip-gemms --kv-cache-dtype ${run%-2} > $RUN/kv-$run.log 2>&1 || tail -5 $RUN/kv-$run.log
+            done
+            python3 - $RUN <<'PY' | tee $OUT/kv_fp8.md
+import json, sys
+from pathlib import Path
+runs = {}
+for run in ("fp8", "auto", "fp8-2", "auto-2"):
+    path = Path(sys.argv[1]) / f"kv-{run}" / "gpu_step_profile.json"
+    if path.exists():
+        runs[run] = {d["batch"]: (d["step_ms"], d["graph_ms"]) for d in json.loads(path.read_text())["decode"]}
+batches = sorted({b for cells in runs.values() for b in cells})
+print("| KV cache | " + " | ".join(f"decode {b}: step (graph) ms" for b in batches) + " |")
+print("|---|" + "---:|" * len(batches))
+for run, cells in runs.items():
+    print(f"| {run} | " + " | ".join(f"{cells[b][0]:.3f} ({cells[b][1]:.3f})" if b in cells else "-" for b in batches)
+          + " |")
+PY
+            ;;
     probe)  timeout ${PROBE_TIMEOUT:-150} python3 bench/cublas_blockwise_rule.py --out $RUN | tail -30 ;;
     tests)  timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu ${TESTS_ARGS:-tests/test_gpu.py} -p no:cacheprovider 2>&1 \
               | tee $RUN/pytest_gpu.txt | tail -40 ;;
