@@ -55,6 +55,7 @@ from engine.native.fused_ops import (
     sm_count,
     store_groups,
 )
+from engine.native.kv_cache import KV_FP8
 
 MIN_ROWS = 16  # tl.dot needs at least 16 rows
 DECODE_GROUP = 4  # decode rows a program of a step with a shared prefix takes together (_shared_prefix_rows)
@@ -422,7 +423,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     else:
         grid, seqs_p2 = (t // block_q + seqs, kv_heads), triton.next_power_of_2(seqs)
     pdl = pdl_enabled(q.device) and t <= SMALL_ROWS
-    if maxnreg is None and k_cache.dtype == torch.float8_e4m3fn and batch.max_query_len == 1:
+    if maxnreg is None and k_cache.dtype == KV_FP8 and batch.max_query_len == 1:
         maxnreg = FP8_DECODE_REGISTERS
     _paged_attention[grid](
         q, k_cache, v_cache, dest, batch.block_tables, batch.seq_lens, batch.query_start,
