@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
-from engine.internal_stream import DONE, annotated, annotated_with, opening, token_note
+from engine.internal_stream import DONE, annotated, annotated_with, held, opening, token_note
 from engine.protocol import (
     ChatCompletionChunk,
     ChatCompletionChunkChoice,
@@ -91,6 +91,8 @@ class ChunkWriter:
                     yield _with_ids(texts.event(choice.index, delta.text, scores), answer, choice, delta)
                 elif delta.text or delta.finish_reason or delta.logprobs:
                     yield _with_ids(chunk([self.delta_choice(chat, choice, delta, logprobs)]), answer, choice, delta)
+                elif answer.internal and delta.token_ids:  # a tool call's text, held: its tokens go on record
+                    yield held(token_note(delta.token_ids, choice.chars, choice.index))
         except EngineFailure as exc:
             yield sse(ErrorResponse(error=exc.info))
             yield DONE

@@ -3,8 +3,10 @@
 A relay asks an engine for it with the RESUMABLE_HEADER. The engine writes the data events an OpenAI client
 would get and, after each event that consumed tokens, a comment line (ignored by SSE clients, removed by the
 relay) with what resuming the request needs (``engine.protocol.InternalEvent``); the stream opens with a
-comment of the prompts' ids. This module is both ends of it: the engine encodes (``opening``, ``annotated``)
-and the relay decodes (``split``); ``[DONE]`` is defined here once.
+comment of the prompts' ids. Tokens that consumed no event (a tool call's, whose text is held until the answer
+ends) get a comment of their own, an event with no data (``held``). This module is both ends of it: the engine
+encodes (``opening``, ``annotated``, ``held``) and the relay decodes (``split``, ``is_opening``); ``[DONE]`` is
+defined here once.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ DONE_BYTES = DONE.encode()
 DONE_EVENT = DONE_BYTES[:-2]  # the event without its blank line, as a reader splits events
 COMMENT_BYTES = COMMENT.encode()
 _NOTE = b"\n" + COMMENT_BYTES  # where an event's comment line begins
+# The opening's comment begins so: prompt_ids is the first field it sets (InternalEvent's order); a held note's
+# begins with its ids.
+_OPENING = COMMENT_BYTES + b'{"prompt_ids":'
 
 
 def opening(note: InternalEvent) -> str:
@@ -49,6 +54,16 @@ def token_note(ids: Sequence[int], chars: int, choice: int) -> str:
 def annotated_with(event: str, note_json: str) -> str:
     """``annotated`` with the comment's JSON already written."""
     return f"{event[:-1]}{COMMENT}{note_json}\n\n"
+
+
+def held(note_json: str) -> str:
+    """An event of a comment alone (``token_note``'s JSON): tokens a choice consumed with no text to show yet."""
+    return f"{COMMENT}{note_json}\n\n"
+
+
+def is_opening(event: bytes) -> bool:
+    """Whether a comment-only event (without its blank line) is the stream's opening, not a ``held`` note."""
+    return event.startswith(_OPENING)
 
 
 def split(event: bytes) -> tuple[bytes, bytes | None]:

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from engine.chunks import ChunkWriter, TextChunks
-from engine.internal_stream import annotated, annotated_with, split, token_note
+from engine.chunks import ChunkWriter, TextChunks, _opening
+from engine.internal_stream import COMMENT_BYTES, annotated, annotated_with, held, is_opening, split, token_note
 from engine.protocol import (
     ChatCompletionChunk,
     ChatCompletionChunkChoice,
@@ -105,3 +105,15 @@ def _parsed(text: str) -> Any:
     assert "NaN" not in text and not (isinstance(value, float) and math.isnan(value))
     return value
 
+
+
+@pytest.mark.parametrize("prompts", [[[1, 2]], [[1, 2], [3]]])
+def test_the_opening_and_a_held_note_are_told_apart(prompts: list[list[int]]) -> None:
+    """Both are comments alone: the stream's opening (one prompt or several) and held tokens (a tool call's)."""
+    answer = SimpleNamespace(prompts=prompts, count=2, request_id="x", created=7)
+    opening = _opening(answer, "m").encode()[:-2]  # type: ignore[arg-type]
+    assert is_opening(opening)
+    assert InternalEvent.model_validate_json(opening[len(COMMENT_BYTES) :]).prompt_ids == prompts[0]
+    note = held(token_note([3, 4], 5, 1)).encode()
+    assert note.endswith(b"\n\n") and not is_opening(note[:-2]) and split(note[:-2]) == (note[:-2], None)
+    assert json.loads(note[len(COMMENT_BYTES) :]) == {"ids": [3, 4], "chars": 5, "choice": 1}

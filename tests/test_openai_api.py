@@ -259,10 +259,15 @@ def test_a_required_or_named_tool_call_follows_its_schema_streamed_and_whole(gat
     names = {t["function"]["name"] for t in TOOLS} if choice == "required" else {"get_time"}
     for call in calls:
         assert call.function.name in names and isinstance(json.loads(call.function.arguments)["city"], str), call
-    streamed, finishes = _calls_of_stream(client.chat.completions.create(**ask, stream=True))
+    chunks = list(client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
+    streamed, finishes = _calls_of_stream(chunks)
     assert finishes == ["tool_calls"]
     assert [(c["name"], c["arguments"]) for _, c in sorted(streamed.items())] == [
         (c.function.name, c.function.arguments) for c in calls]  # fmt: skip
+    # Every token of the calls is counted: the whole answer's usage (the relay counts the tokens its engine's notes
+    # carry) is the stream's (the engine's own count), each call at least a token of its name and one of its city.
+    assert chunks[-1].usage is not None and whole.usage is not None
+    assert whole.usage.completion_tokens == chunks[-1].usage.completion_tokens >= 2 * len(calls), whole.usage
 
 
 def test_a_tool_round_trip_and_auto_answers(gateway: Gateway) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common import json_codec
-from engine.internal_stream import COMMENT_BYTES, DONE_BYTES, DONE_EVENT, split
+from engine.internal_stream import COMMENT_BYTES, DONE_BYTES, DONE_EVENT, is_opening, split
 from engine.protocol import (
     ChatCompletionChunk,
     ChoiceResume,
@@ -121,8 +121,12 @@ class InFlight:
         request unfinished."""
         out: list[bytes] = []
         for event in events:
-            if event.startswith(COMMENT_BYTES):  # the opening comment: the prompt's ids
-                if self.prompt_ids is None:
+            if event.startswith(COMMENT_BYTES):  # a comment alone: the opening (the prompts' ids), or held tokens
+                if not is_opening(event):  # a tool call's tokens, its text held: nothing for the client yet
+                    self._notes.append(event[len(COMMENT_BYTES) :])
+                    if self.first_token_at is None:
+                        self.first_token_at = time.perf_counter()
+                elif self.prompt_ids is None:  # an engine's opening after a resume repeats the first's
                     opening = InternalEvent.model_validate_json(event[len(COMMENT_BYTES) :])
                     self.prompt_ids, self.id, self.created = opening.prompt_ids, opening.id, opening.created
                     self.prompts, self.choices, self.model = opening.prompts, opening.choices, opening.model or ""
