@@ -126,7 +126,7 @@ class InFlight:
                     self._notes.append(event[len(COMMENT_BYTES) :])
                     if self.first_token_at is None:
                         self.first_token_at = time.perf_counter()
-                elif self.prompt_ids is None:  # an engine's opening after a resume repeats the first's
+                elif self.prompt_ids is None:  # the first opening (a resumed engine's repeats it: skipped)
                     opening = InternalEvent.model_validate_json(event[len(COMMENT_BYTES) :])
                     self.prompt_ids, self.id, self.created = opening.prompt_ids, opening.id, opening.created
                     self.prompts, self.choices, self.model = opening.prompts, opening.choices, opening.model or ""
