@@ -123,9 +123,7 @@ class InFlight:
         for event in events:
             if event.startswith(COMMENT_BYTES):  # a comment alone: the opening (the prompts' ids), or held tokens
                 if not is_opening(event):  # a tool call's tokens, its text held: nothing for the client yet
-                    self._notes.append(event[len(COMMENT_BYTES) :])
-                    if self.first_token_at is None:
-                        self.first_token_at = time.perf_counter()
+                    self._keep(event[len(COMMENT_BYTES) :])
                 elif self.prompt_ids is None:  # the first opening (a resumed engine's repeats it: skipped)
                     opening = InternalEvent.model_validate_json(event[len(COMMENT_BYTES) :])
                     self.prompt_ids, self.id, self.created = opening.prompt_ids, opening.id, opening.created
@@ -138,12 +136,7 @@ class InFlight:
                 break
             event, note = split(event)
             if note is not None:
-                self._notes.append(note)
-                if self.first_token_at is None:
-                    self.first_token_at = time.perf_counter()
-                if b'"finish"' in note:  # rare: parsed now
-                    self._finished.add(json.loads(note).get("choice", 0))
-                    self.finish_seen = len(self._finished) >= self.choices
+                self._keep(note)
             elif event.startswith(_ERROR):
                 error = json.loads(event[6:])["error"]
                 if error.get("code") == "engine_stopped":
@@ -155,6 +148,15 @@ class InFlight:
             else:
                 self._pieces.append(event[6:])
         return b"".join(out)
+
+    def _keep(self, note: bytes) -> None:
+        """A comment's JSON, kept for progress() (a last token's is parsed now: rare)."""
+        self._notes.append(note)
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        if b'"finish"' in note:
+            self._finished.add(json.loads(note).get("choice", 0))
+            self.finish_seen = len(self._finished) >= self.choices
 
     def progress(self, choice: int = 0) -> Progress:
         """The ids and characters of ``choice`` sent so far (the comments not yet read are parsed now, all in one
