@@ -374,7 +374,9 @@ def test_metrics_agree_with_what_clients_saw(gateway: Gateway) -> None:
     long_prompt = "Tell me about the sea. " * 40  # prefill takes a while: time to the role chunk != TTFT
     for route, body in [(chat, {"messages": [{"role": "user", "content": long_prompt}]}),
                         (text, {"prompt": long_prompt})]:  # fmt: skip
-        body = {**body, "model": MODEL_NAME, "max_tokens": 12, "temperature": 0, "stream": True,
+        # 64 tokens whatever the model would say: the engine is still generating when the gauge is
+        # read at the first token, even on a loaded machine (with 12 the relay could have written the whole answer).
+        body = {**body, "model": MODEL_NAME, "max_tokens": 64, "ignore_eos": True, "temperature": 0, "stream": True,
                 "stream_options": {"include_usage": True}}  # fmt: skip
         start = time.perf_counter()
         with httpx.stream("POST", f"{gateway.url}{route}", json=body, headers=AUTH, timeout=120) as response:
