@@ -44,6 +44,7 @@ demo: setup
 
 lint: setup
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
 # Both venvs at once, the demo checkpoints (every test session uses them), then the tests: the vLLM session

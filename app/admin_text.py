@@ -18,9 +18,14 @@ MISSING = "-"
 def status_text(status: dict[str, Any]) -> str:
     """The model, the cache, the gateway's processes, the active engine's settings, a table of engines and the last
     restarts with their phases."""
-    lines = [f"model    {status.get('model', MISSING)}", f"cache    {_cache_line(status.get('cache', {}))}",
-             f"gateway  {_gateway_line(status)}", f"engine   {_settings_line(status)}",
-             f"memory   {_memory_line(status)}", ""]
+    lines = [
+        f"model    {status.get('model', MISSING)}",
+        f"cache    {_cache_line(status.get('cache', {}))}",
+        f"gateway  {_gateway_line(status)}",
+        f"engine   {_settings_line(status)}",
+        f"memory   {_memory_line(status)}",
+        "",
+    ]
     engines = status.get("engines", [])
     if engines:
         rows = [[e.get("id"), e.get("state"), e.get("pid"), e.get("weight_source") or MISSING,

@@ -87,6 +87,7 @@ class _Exposition(Collector):
         families = list(self.processes.collect())
         yield from families
         if self.serving is not None:
+
             def total(name: str) -> int:
                 return int(sum(sample.value for f in families if f.name == name for sample in f.samples
                                if sample.name == name + ("_total" if f.type == "counter" else "")))  # fmt: skip

@@ -151,6 +151,7 @@ def main() -> None:
         row: dict[str, float | bool] = {}
         for turn in range(2):
             for label, (kernel, meta, choices) in variants.items():
+
                 def step(kernel: ModuleType = kernel, meta: StepBatch = meta, choices: dict[str, int] = choices,
                          caches: list[tuple[torch.Tensor, torch.Tensor]] = caches) -> None:  # fmt: skip
                     for k, v in caches:

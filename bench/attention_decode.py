@@ -31,8 +31,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--contexts", default="300,1000,2000")
-    parser.add_argument("--query-len", type=int, default=1,
-                        help="query rows per sequence (> 1: prefill chunks over a cached context, as prefix hits are)")
+    parser.add_argument(
+        "--query-len",
+        type=int,
+        default=1,
+        help="query rows per sequence (> 1: prefill chunks over a cached context, as prefix hits are)",
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(0)
@@ -50,6 +54,7 @@ def main() -> None:
         rule_q = launch_shape(HEADS // KV_HEADS, args.query_len, batch_size * KV_HEADS, sm_count(device)).block_q
         query_tiles = (rule_q,) if args.query_len == 1 else (rule_q, 2 * rule_q, 4 * rule_q)
         for block_q, block_n, warps, stages in itertools.product(query_tiles, (32, 64, 128, 256), (2, 4, 8), (2, 3)):
+
             def step(block_n=block_n, warps=warps, stages=stages, block_q=block_q, caches=caches) -> None:
                 for k, v in caches:
                     paged_attention(q, k, v, batch, DIM**-0.5, block_n=block_n, num_warps=warps, num_stages=stages,

@@ -289,10 +289,19 @@ def main() -> None:
                         help="--burst: chat requests as text instead, a system message of this many words shared, "
                              "a question of --prompt-len words")  # fmt: skip
     parser.add_argument("--profile", choices=("engine", "loop"), help="profile this thread")
-    parser.add_argument("--fronts", type=int, default=1,
-                        help="the engine's front processes (front_processes; 0: its HTTP API in the worker's process)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="an engine setting, the value as JSON (e.g. late_scheduling=false)")
+    parser.add_argument(
+        "--fronts",
+        type=int,
+        default=1,
+        help="the engine's front processes (front_processes; 0: its HTTP API in the worker's process)",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an engine setting, the value as JSON (e.g. late_scheduling=false)",
+    )
     parser.add_argument("--out", type=Path)
     parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()

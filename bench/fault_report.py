@@ -45,19 +45,20 @@ RECOVERED_WHEN = {
     "SIGSTOP of the active engine": "the hung engine was killed and the standby promoted",
     "SIGSTOP of the supervisor for": "SIGCONT (the column is the stop's length; nothing needed recovering)",
     "kill -9 of a relay": "a new relay process served under the same index",
-    "an engine that cannot start (no room for one sequence)": "the admin restart answered (failed; old engine "
-                                                              "serving)",
+    "an engine that cannot start (no room for one sequence)": "the admin restart answered (failed; old engine serving)",
     "a reload during a restart, and two restarts at once": "all three admin calls answered, each ok",
     "kill -9 of the cache process": "a new cache process served and the engines had moved to it",
-    "kill -9 of the supervisor (`warmgate serve` starts another, which adopts everything)":
-        "a new supervisor answered /admin/status with every relay connected and the same engines, cache, relays",
-    "`warmgate upgrade` (new serve code, supervisor, relays and fork server; engines and cache kept)":
-        "`warmgate upgrade` returned: new supervisor and relays serve, the old relays have exited",
-    "kill -9 of `warmgate serve`, then `warmgate serve` again": "the new supervisor answered with every relay "
-                                                                "connected and the same engines, cache, relays",
+    "kill -9 of the supervisor (`warmgate serve` starts another, which adopts everything)": (
+        "a new supervisor answered /admin/status with every relay connected and the same engines, cache, relays"
+    ),
+    "`warmgate upgrade` (new serve code, supervisor, relays and fork server; engines and cache kept)": (
+        "`warmgate upgrade` returned: new supervisor and relays serve, the old relays have exited"
+    ),
+    "kill -9 of `warmgate serve`, then `warmgate serve` again": (
+        "the new supervisor answered with every relay connected and the same engines, cache, relays"
+    ),
     "kill -9 of a relay while no supervisor runs": "the next supervisor had started a new relay in its place",
 }
-
 
 
 def _recovered_when(fault: str) -> str:
@@ -65,6 +66,7 @@ def _recovered_when(fault: str) -> str:
     if fault in RECOVERED_WHEN:
         return RECOVERED_WHEN[fault]
     return max(((k, v) for k, v in RECOVERED_WHEN.items() if fault.startswith(k)), default=("", ""))[1]
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

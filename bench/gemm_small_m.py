@@ -112,14 +112,21 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--rows", default="1,16,32,64")
-    parser.add_argument("--splits", default="", help="also sweep split-K over these (e.g. 1,2,4,8,16; each that "
-                                                     "divides the K blocks), for block_n 64/128, 4/8 warps, 3/4 stages")
+    parser.add_argument(
+        "--splits",
+        default="",
+        help="also sweep split-K over these (e.g. 1,2,4,8,16; each that divides the K blocks), for block_n 64/128, "
+        "4/8 warps, 3/4 stages",
+    )
     parser.add_argument("--explore", action="store_true",
                         help="sweep swap-AB (weight rows on the MMA's M side) and TMA weight loads with block_n "
                              "64/128, 4/8 warps, 3/5 stages at the launch rule's split, then splits 1-16 for each row "
                              "count's and GEMM's three best")  # fmt: skip
-    parser.add_argument("--deep-gemm", action="store_true",
-                        help="only the engine's kernel on prequantized activations, cuBLAS and DeepGEMM")
+    parser.add_argument(
+        "--deep-gemm",
+        action="store_true",
+        help="only the engine's kernel on prequantized activations, cuBLAS and DeepGEMM",
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)

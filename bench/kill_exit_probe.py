@@ -5,6 +5,7 @@ exited. Modes: torch.empty of N GB (one allocation), or VMM: N GB as `pieces` al
 
     PYTHONPATH=/tmp/site:$PWD python3 bench/kill_exit_probe.py    # on the device machine (H200)
 """
+
 import json
 import os
 import select
@@ -91,9 +92,16 @@ def run(mode: str, gb: int, pieces: int) -> dict:
     watcher.join()
     life.unlink()
     nvidia = [f for f, t in info["fds"].items() if "nvidia" in t]
-    return {"mode": mode, "gb": gb, "pieces": pieces, "lifeline_fd": info["lifeline_fd"],
-            "nvidia_fds": f"{min(nvidia, key=int)}..{max(nvidia, key=int)} ({len(nvidia)})" if nvidia else "",
-            "lifeline_s": round(cut[0] - t0, 4) if cut else None, "eof_s": round(eof, 4), "exit_s": round(exited, 4)}
+    return {
+        "mode": mode,
+        "gb": gb,
+        "pieces": pieces,
+        "lifeline_fd": info["lifeline_fd"],
+        "nvidia_fds": f"{min(nvidia, key=int)}..{max(nvidia, key=int)} ({len(nvidia)})" if nvidia else "",
+        "lifeline_s": round(cut[0] - t0, 4) if cut else None,
+        "eof_s": round(eof, 4),
+        "exit_s": round(exited, 4),
+    }
 
 
 if __name__ == "__main__":

@@ -1335,8 +1335,11 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=49152, help="token ids are drawn from [1000, vocab-1000)")
     p.add_argument("--restart-probe", type=int, default=10, help="sequential requests after start and restart")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--fault", choices=("kill-supervisor", "upgrade"),
-                   help="inject this into the gateway levels of --fault-levels, --fault-at s into their requests")
+    p.add_argument(
+        "--fault",
+        choices=("kill-supervisor", "upgrade"),
+        help="inject this into the gateway levels of --fault-levels, --fault-at s into their requests",
+    )
     p.add_argument("--fault-at", type=float, default=5.0)
     p.add_argument("--fault-levels", type=int_list, default=[64])
     args = p.parse_args()

@@ -140,8 +140,15 @@ class CacheServer:
                 reason = f"protocol {request.protocol}, this cache speaks {PROTOCOL_VERSION}"
                 send_message(conn, error_reply("VersionMismatch", reason))
                 return
-            hello = HelloReply(ok=True, protocol=PROTOCOL_VERSION, key=manifest.key, pid=os.getpid(),
-                               model=manifest.model, device=manifest.device, backend=manifest.backend)
+            hello = HelloReply(
+                ok=True,
+                protocol=PROTOCOL_VERSION,
+                key=manifest.key,
+                pid=os.getpid(),
+                model=manifest.model,
+                device=manifest.device,
+                backend=manifest.backend,
+            )
             send_message(conn, hello.model_dump())
         elif isinstance(request, GetManifest):
             send_json(conn, b'{"ok":true,"manifest":' + self._manifest_json + b"}")
@@ -176,10 +183,19 @@ class CacheServer:
             leases = [LeaseInfo(id=lease.id, pid=lease.pid, engine=lease.engine, since=lease.since)
                       for lease in self.leases.values()]  # fmt: skip
             attach_count = self.attach_count
-        return StatsReply(ok=True, key=manifest.key, model=manifest.model, device=manifest.device,
-                          bytes=manifest.nbytes, tensors=len(manifest.tensors), arenas=len(manifest.arenas),
-                          leases=leases, attach_count=attach_count, uptime_s=time.monotonic() - self.started,
-                          pid=os.getpid())
+        return StatsReply(
+            ok=True,
+            key=manifest.key,
+            model=manifest.model,
+            device=manifest.device,
+            bytes=manifest.nbytes,
+            tensors=len(manifest.tensors),
+            arenas=len(manifest.arenas),
+            leases=leases,
+            attach_count=attach_count,
+            uptime_s=time.monotonic() - self.started,
+            pid=os.getpid(),
+        )
 
 
 def _lingering_close(conn: socket.socket, limit: int = 1 << 20) -> None:

@@ -1,8 +1,8 @@
 """The fork server's messages (engine/fork_server.py), framed by common/framing.py: one connection per worker.
 
-    supervisor -> fork server   SpawnRequest
-    fork server -> supervisor   SpawnReply (or the error reply of cache/protocol.py), then ChildExit when the
-                                worker is reaped
+supervisor -> fork server   SpawnRequest
+fork server -> supervisor   SpawnReply (or the error reply of cache/protocol.py), then ChildExit when the
+                            worker is reaped
 """
 
 from __future__ import annotations

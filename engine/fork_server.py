@@ -270,4 +270,3 @@ class _ForkServer:
         for conn in self.children.values():
             if conn is not None:
                 conn.close()
-

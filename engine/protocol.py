@@ -31,7 +31,6 @@ from engine.tools import system_prompt as tool_system_prompt
 FinishReason = Literal["stop", "length", "tool_calls"]
 
 
-
 def random_id(prefix: str) -> str:
     """An OpenAI-style object id: prefix-<hex>."""
     return f"{prefix}-{uuid.uuid4().hex}"

@@ -49,17 +49,23 @@ def assemble(chat: bool, chunks: list[dict[str, Any]], id: str, created: int, mo
     body: ChatCompletionResponse | CompletionResponse
     if chat:
         chat_choices = [
-            ChatCompletionChoice(index=i, message=_message("".join(texts.get(i, ())), calls.get(i)),
-                                 finish_reason=finishes.get(i, "stop"),
-                                 logprobs=_chat_logprobs(logprobs.get(i)))
+            ChatCompletionChoice(
+                index=i,
+                message=_message("".join(texts.get(i, ())), calls.get(i)),
+                finish_reason=finishes.get(i, "stop"),
+                logprobs=_chat_logprobs(logprobs.get(i)),
+            )
             for i in indexes
         ]
         body = ChatCompletionResponse(id=id, created=created, model=model, choices=chat_choices, usage=usage)
     else:
         text_choices = [
-            CompletionChoice(index=i, text="".join(texts.get(i, ())),
-                             finish_reason=finishes.get(i, "stop"),
-                             logprobs=_completion_logprobs(logprobs.get(i)))
+            CompletionChoice(
+                index=i,
+                text="".join(texts.get(i, ())),
+                finish_reason=finishes.get(i, "stop"),
+                logprobs=_completion_logprobs(logprobs.get(i)),
+            )
             for i in indexes
         ]
         body = CompletionResponse(id=id, created=created, model=model, choices=text_choices, usage=usage)

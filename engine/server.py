@@ -317,7 +317,8 @@ class EngineAPI:
         if self._grammars is None:
             tokenizer, engine = self.tokenizer, self.engine
             self._grammars = asyncio.ensure_future(
-                asyncio.to_thread(Grammars, tokenizer, engine.vocab_size, engine.eos_token_ids))
+                asyncio.to_thread(Grammars, tokenizer, engine.vocab_size, engine.eos_token_ids)
+            )
         grammars = await asyncio.shield(self._grammars)
         try:
             return await asyncio.to_thread(grammars.compile, spec)
@@ -423,7 +424,6 @@ class EngineAPI:
         finally:
             gone.cancel()
             self.release(answer)
-
 
     async def prompts(self, request: GenerationRequest) -> list[list[int]]:
         """Token ids of the request's prompts. A long text is tokenized in a worker thread: the tokenizer lets go of

@@ -129,6 +129,7 @@ class TextGeneration:
         hits = [i for i in (text.find(s) for s in self._stop) if i >= 0]
         return min(hits) if hits else None
 
+
 @dataclass
 class Answer:
     """An admitted request: its choices still to generate (one TextGeneration each), under one response id."""

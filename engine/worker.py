@@ -149,8 +149,12 @@ async def warm_up(app: EngineApp) -> None:
     ]
     if "xgrammar" in sys.modules:  # the fork server imported it: the grammar compiler is built now (0.1 s), not by
         # the first structured request, whose build used to take the GIL from the engine's thread while it served
-        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "stream": True,
-                "response_format": {"type": "json_object"}}
+        body = {
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 2,
+            "stream": True,
+            "response_format": {"type": "json_object"},
+        }
         requests.append(("/v1/chat/completions", body))
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://warmup") as client:

@@ -50,8 +50,9 @@ def test_a_status_whose_cache_does_not_answer_still_prints_the_engines() -> None
 
 
 def test_reload_says_what_changed_what_waits_and_a_failure_first() -> None:
-    assert reload_text({"config": None, "changed": None, "ok": True}).startswith("nothing to re-read: the gateway "
-                                                                                 "was started without --config")
+    assert reload_text({"config": None, "changed": None, "ok": True}).startswith(
+        "nothing to re-read: the gateway was started without --config"
+    )
     quiet = reload_text({"config": "/etc/w.toml", "changed": None, "ok": True, "applied": ["restart.standby"],
                          "pending": ["gateway.port"]})  # fmt: skip
     assert quiet.splitlines() == ["config re-read: no engine or model setting changed, no engine restarted",

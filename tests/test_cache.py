@@ -265,6 +265,7 @@ def test_garbage_on_the_cache_socket_gets_a_protocol_error_and_the_cache_serves_
     """No root needed: what a confused or hostile local peer sends is refused, in the error shape, one by one."""
     cache = start_cache(tmp_path, demo_path("fp8-block"))
     try:
+
         def raw_exchange(payload: bytes) -> dict[str, Any] | None:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
                 s.settimeout(10)

@@ -317,4 +317,3 @@ def test_a_new_gateway_stops_a_cache_of_another_key_left_in_its_run_dir(demo_pat
                 assert send(http, False, 4).ok
     finally:
         stale.stop()
-

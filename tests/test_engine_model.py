@@ -167,8 +167,9 @@ def test_prefix_caching_changes_no_greedy_token(demo_path, tokenizer, kv_cache_d
     assert tight.kv_blocks_free == tight.kv_blocks_total
 
 
-def test_an_fp8_kv_cache_holds_a_token_in_a_quarter_of_the_cpus_bytes_and_answers_close_to_it(demo_path,
-                                                                                               prompt_ids) -> None:
+def test_an_fp8_kv_cache_holds_a_token_in_a_quarter_of_the_cpus_bytes_and_answers_close_to_it(
+    demo_path, prompt_ids
+) -> None:
     """kv_cache_dtype = "fp8": keys and values in float8 e4m3, a byte each against fp32's four on the CPU, so the
     same KV budget holds four times the tokens (the memory plan sees it); the greedy answers are the fp32 cache's
     for their first tokens (the demo model, whose keys and values fit e4m3's range)."""

@@ -16,7 +16,7 @@ VALUES = {
     "ids": list(range(0, 2000, 7)),
     "big": 10**30,
     "floats": [0.1, -0.0, 1e300, 2.5e-8],
-    "text": "héllo, 世界 \n \"quoted\" \\ \u2028",
+    "text": 'héllo, 世界 \n "quoted" \\ \u2028',
     "path": "/models/\udcff-not-utf-8",  # os.fsdecode of a name that is not UTF-8: a lone surrogate
     "nested": {"a": [None, True, False, {"b": []}]},
 }

@@ -209,8 +209,17 @@ def test_every_message_of_the_link_crosses_it_as_json_and_back() -> None:
         front.Reply(6, figures),
         front.Reply(7, 0.25),
         front.Reply(8, None, "no memory"),
-        front.Hello(EngineConfig(model=Path("/m")), 8, 1024, {"kv": 1}, [2], {"warmup": 0.1}, 100,
-                    WeightOrigin("ipc", key="k", lease=3), figures),
+        front.Hello(
+            EngineConfig(model=Path("/m")),
+            8,
+            1024,
+            {"kv": 1},
+            [2],
+            {"warmup": 0.1},
+            100,
+            WeightOrigin("ipc", key="k", lease=3),
+            figures,
+        ),
     ]
     for message in messages:
         assert front.decode(json.loads(json.dumps(front.encode(message)))) == message

@@ -35,9 +35,14 @@ def model_event(chat: bool, index: int, text: str, logprobs: Any = None) -> str:
     """The event as the models write it (engine/chunks.py's own path for a chunk that carries text alone)."""
     if chat:
         choice: ChatCompletionChunkChoice | CompletionChoice = ChatCompletionChunkChoice(
-            index=index, delta=DeltaMessage(content=text or None), finish_reason=None, logprobs=logprobs)
-        chunk: ChatCompletionChunk | CompletionChunk = ChatCompletionChunk(id="chatcmpl-1", created=7, model="m",
-                                                                             choices=[choice])  # type: ignore[list-item]
+            index=index, delta=DeltaMessage(content=text or None), finish_reason=None, logprobs=logprobs
+        )
+        chunk: ChatCompletionChunk | CompletionChunk = ChatCompletionChunk(
+            id="chatcmpl-1",
+            created=7,
+            model="m",
+            choices=[choice],  # type: ignore[list-item]
+        )
     else:
         choice = CompletionChoice(index=index, text=text, finish_reason=None, logprobs=logprobs)
         chunk = CompletionChunk(id="cmpl-1", created=7, model="m", choices=[choice])  # type: ignore[list-item]
@@ -104,7 +109,6 @@ def _parsed(text: str) -> Any:
     value = json.loads(text)
     assert "NaN" not in text and not (isinstance(value, float) and math.isnan(value))
     return value
-
 
 
 @pytest.mark.parametrize("prompts", [[[1, 2]], [[1, 2], [3]]])

@@ -99,8 +99,12 @@ def test_a_start_that_cannot_work_is_refused_in_one_line_at_once(case: str, tmp_
     finally:
         if busy is not None:
             busy.close()
-    said = {"no such model": "no such directory", "an unreadable checkpoint": "is not valid JSON",
-            "a run dir that is not ours": "is open to other users", "a busy port": "Address already in use"}[case]
+    said = {
+        "no such model": "no such directory",
+        "an unreadable checkpoint": "is not valid JSON",
+        "a run dir that is not ours": "is open to other users",
+        "a busy port": "Address already in use",
+    }[case]
     assert said in line, line
     assert not _left_behind(run_dir), _left_behind(run_dir)
 

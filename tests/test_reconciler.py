@@ -527,8 +527,12 @@ async def test_a_standby_build_stopped_as_its_start_ends_is_not_kept_and_its_exi
         build = h.reconciler.engines[2]
         other = h.config.model_copy(update={"max_num_seqs": 8})
         restart = asyncio.ensure_future(h.reconciler.restart(other, "overlap", "admin"))
-        await h.until(lambda: ("start", 3) in h.launcher.log and build.process is not None
-                      and build.process.returncode is not None, "the build stopped, the restart's engine starting")
+        await h.until(
+            lambda: (
+                ("start", 3) in h.launcher.log and build.process is not None and build.process.returncode is not None
+            ),
+            "the build stopped, the restart's engine starting",
+        )
         h.launcher.hold[2].set()  # its start reports ready after all, while the restart has not switched yet
         await h.until(lambda: build.state is not EngineState.STARTING, "the build's late start handled")
         h.launcher.hold[3].set()

@@ -44,7 +44,6 @@ def test_seeded_rows_repeat_and_greedy_rows_take_the_argmax() -> None:
 def test_logprobs_are_of_the_distribution_each_token_was_drawn_from() -> None:
     import math
 
-
     logits = PROBS.log().repeat(3, 1)
     params = [SamplingParams(temperature=0, logprobs=2), SamplingParams(temperature=1.0, top_k=2, logprobs=3),
               SamplingParams(temperature=1.0)]  # fmt: skip

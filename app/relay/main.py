@@ -96,4 +96,3 @@ async def _serve(control: Path, listen_fd: int, index: int, board: Path, drain_t
         link.close()
         pool.close()
         log_event(log, "exit", relay=index, seconds=time.perf_counter() - started)
-

@@ -165,4 +165,3 @@ async def _until_serving(handle: CacheHandle, log_path: Path, timeout: float) ->
         except CacheUnavailable:
             await asyncio.sleep(0.1)
     raise CacheStartError(f"the cache process was not ready after {timeout:.0f}s")
-

@@ -186,4 +186,3 @@ class WorkerLauncher:
             return None
         engine.health = health
         return health
-

@@ -68,7 +68,7 @@ class Routing:
     draining: tuple[Engine, ...]
 
     def key(self) -> tuple[Any, ...]:
-        ids = (lambda engines: tuple(e.id for e in engines))  # noqa: E731
+        ids = lambda engines: tuple(e.id for e in engines)  # noqa: E731
         return (self.active.id if self.active else None, ids(self.standbys), ids(self.draining))
 
 
@@ -687,4 +687,3 @@ class Reconciler:
 
     def _wake_in(self, seconds: float) -> None:
         asyncio.get_running_loop().call_later(max(seconds, 0.0), self.post, Wake())
-

@@ -113,8 +113,9 @@ def _paged_attention(
         pdl_enter(USE_PDL)
     q_mask = row_ok[:, None] & dim_ok[None, :]
     if ROPE_HEADS > 0:
-        q = _rotated_heads(q_ptr + (q_begin + q_index)[:, None] * stride_qt + (head * D)[:, None], dims[None, :],
-                           q_mask, c, s, D).to(OUT_DTYPE)
+        q = _rotated_heads(
+            q_ptr + (q_begin + q_index)[:, None] * stride_qt + (head * D)[:, None], dims[None, :], q_mask, c, s, D
+        ).to(OUT_DTYPE)
     else:
         q = tl.load(q_ptr + (q_begin + q_index)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
                     mask=q_mask, other=0.0)  # fmt: skip
@@ -259,9 +260,29 @@ def _shared_prefix_rows(
 
 
 @triton.jit
-def _attend(q, q_pos, rows_in, m_i, l_i, acc, k_ptr, v_ptr, table, start, end, kv_head, stride_ks, stride_kh, qk_scale,
-            BLOCK_N: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, MASKED: tl.constexpr,
-            SELECT: tl.constexpr):
+def _attend(
+    q,
+    q_pos,
+    rows_in,
+    m_i,
+    l_i,
+    acc,
+    k_ptr,
+    v_ptr,
+    table,
+    start,
+    end,
+    kv_head,
+    stride_ks,
+    stride_kh,
+    qk_scale,
+    BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr,
+    D: tl.constexpr,
+    D_P2: tl.constexpr,
+    MASKED: tl.constexpr,
+    SELECT: tl.constexpr,
+):
     """The tile of keys from ``start`` (of the sequence whose block table is ``table``) folded into the rows' online
     softmax. MASKED: only keys before ``end`` that a row sees (at or before its position ``q_pos``), and with SELECT
     for the rows of ``rows_in`` only (the others are left exactly as they were). Unmasked: every key of the tile, for

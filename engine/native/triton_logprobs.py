@@ -45,8 +45,18 @@ def _parts(x_ptr, stride, width, vals_ptr, ids_ptr, max_ptr, sum_ptr, K: tl.cons
 
 
 @triton.jit
-def _merge(vals_ptr, ids_ptr, max_ptr, sum_ptr, out_ptr, parts, floor, K: tl.constexpr, PARTS: tl.constexpr,
-           CANDIDATES: tl.constexpr):
+def _merge(
+    vals_ptr,
+    ids_ptr,
+    max_ptr,
+    sum_ptr,
+    out_ptr,
+    parts,
+    floor,
+    K: tl.constexpr,
+    PARTS: tl.constexpr,
+    CANDIDATES: tl.constexpr,
+):
     row = tl.program_id(0)
     p = tl.arange(0, PARTS)
     maxes = tl.load(max_ptr + row * parts + p, mask=p < parts, other=-float("inf"))
@@ -77,8 +87,18 @@ def top_logprobs(scores: torch.Tensor, k: int, floor: float) -> torch.Tensor:
     sums = torch.empty(rows, parts, dtype=torch.float32, device=scores.device)
     out = torch.empty(rows, 2 * k, dtype=torch.float32, device=scores.device)
     _parts[(rows, parts)](scores, scores.stride(0), width, vals, ids, maxes, sums, K=k, CHUNK=CHUNK, num_warps=8)
-    _merge[(rows,)](vals, ids, maxes, sums, out, parts, floor, K=k, PARTS=triton.next_power_of_2(parts),
-                    CANDIDATES=triton.next_power_of_2(parts * k))
+    _merge[(rows,)](
+        vals,
+        ids,
+        maxes,
+        sums,
+        out,
+        parts,
+        floor,
+        K=k,
+        PARTS=triton.next_power_of_2(parts),
+        CANDIDATES=triton.next_power_of_2(parts * k),
+    )
     return out
 
 
