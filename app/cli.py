@@ -84,8 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(run=_serve)
 
     # The control plane, started (and restarted) by `warmgate serve`: not a command for people.
-    supervisor = commands.add_parser("supervisor", help=argparse.SUPPRESS, parents=[serve], add_help=False,
-                                     conflict_handler="resolve")  # fmt: skip
+    supervisor = commands.add_parser("supervisor", parents=[serve], add_help=False, conflict_handler="resolve")
     supervisor.add_argument("--listen-fd", type=int, required=True, help="the listening socket, from warmgate serve")
     supervisor.add_argument("--ready-fd", type=int, required=True, help="written to once the gateway serves")
     supervisor.add_argument("--upgrade", action="store_true", help="replace the relays it adopts with new ones")
@@ -130,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "engine holds for its life: its death is seen there at once (common/lifeline.py)")  # fmt: skip
     engine.set_defaults(run=_engine)
 
-    relay = commands.add_parser("relay", help=argparse.SUPPRESS)  # started by `warmgate serve`, one per worker
+    relay = commands.add_parser("relay")  # started by `warmgate serve`, one per worker
     relay.add_argument("--control", type=Path, required=True, help="the supervisor's control socket")
     relay.add_argument("--listen-fd", type=int, required=True, help="the inherited listening socket's descriptor")
     relay.add_argument("--index", type=int, required=True, help="this relay's number (0 .. workers-1)")
@@ -139,12 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
     relay.set_defaults(run=_relay)
 
     # Started by `warmgate serve` (engine/fork_server.py): not a command for people, so not in the help.
-    forks = commands.add_parser("fork-server", help=argparse.SUPPRESS)
+    forks = commands.add_parser("fork-server")
     forks.add_argument("--socket", type=Path, required=True, help="Unix socket to take spawn requests on")
     forks.add_argument("--backend", default="native", choices=("native", "vllm"),
                        help="also import this engine backend's modules before forking")  # fmt: skip
     forks.set_defaults(run=_fork_server)
-    # The commands people run (relay, fork-server and supervisor are started by `warmgate serve` and hidden).
+    # The commands people run (relay, fork-server and supervisor are started by `warmgate serve` and hidden: added
+    # with no help, argparse lists no line for them; help=SUPPRESS printed "==SUPPRESS==" lines on Python 3.11).
     hidden = ("relay", "fork-server", "supervisor")
     commands.metavar = "{" + ",".join(c for c in commands.choices if c not in hidden) + "}"
     return parser

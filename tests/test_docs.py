@@ -77,3 +77,11 @@ def test_every_command_line_argument_has_help_text() -> None:
         and (not action.help or action.help == argparse.SUPPRESS)
     ]
     assert not missing, f"arguments without help text: {missing}"
+
+
+def test_the_top_level_help_lists_the_commands_people_run_and_nothing_else() -> None:
+    shown = build_parser().format_help()
+    listed = set(re.findall(r"^    (\S+)", shown.split("positional arguments:")[1].split("options:")[0], re.MULTILINE))
+    assert "SUPPRESS" not in shown
+    assert not listed & set(HIDDEN_COMMANDS), listed
+    assert {"serve", "status", "restart", "stop"} <= listed, listed
