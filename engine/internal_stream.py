@@ -5,8 +5,8 @@ would get and, after each event that consumed tokens, a comment line (ignored by
 relay) with what resuming the request needs (``engine.protocol.InternalEvent``); the stream opens with a
 comment of the prompts' ids. Tokens that consumed no event (a tool call's, whose text is held until the answer
 ends) get a comment of their own, an event with no data (``held``). This module is both ends of it: the engine
-encodes (``opening``, ``annotated``, ``held``) and the relay decodes (``split``, ``is_opening``); ``[DONE]`` is
-defined here once.
+encodes (``opening``, ``annotated``, ``held``) and the relay decodes (``split``, ``is_opening``, ``is_usage``);
+``[DONE]`` is defined here once.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ _NOTE = b"\n" + COMMENT_BYTES  # where an event's comment line begins
 # The opening's comment begins so: prompt_ids is the first field it sets (InternalEvent's order); a held note's
 # begins with its ids.
 _OPENING = COMMENT_BYTES + b'{"prompt_ids":'
+_NO_CHOICES = b'"choices":[]'
 
 
 def opening(note: InternalEvent) -> str:
@@ -64,6 +65,12 @@ def held(note_json: str) -> str:
 def is_opening(event: bytes) -> bool:
     """Whether a comment-only event (without its blank line) is the stream's opening, not a ``held`` note."""
     return event.startswith(_OPENING)
+
+
+def is_usage(event: bytes) -> bool:
+    """Whether a data event (without its comment) is the usage chunk: the one chunk with no choices that an engine
+    writes (``ChunkWriter.events``, pydantic's compact JSON)."""
+    return _NO_CHOICES in event
 
 
 def split(event: bytes) -> tuple[bytes, bytes | None]:

@@ -14,7 +14,16 @@ import pytest
 from pydantic import BaseModel
 
 from engine.chunks import ChunkWriter, TextChunks, _opening
-from engine.internal_stream import COMMENT_BYTES, annotated, annotated_with, held, is_opening, split, token_note
+from engine.internal_stream import (
+    COMMENT_BYTES,
+    annotated,
+    annotated_with,
+    held,
+    is_opening,
+    is_usage,
+    split,
+    token_note,
+)
 from engine.protocol import (
     ChatCompletionChunk,
     ChatCompletionChunkChoice,
@@ -22,6 +31,7 @@ from engine.protocol import (
     CompletionChunk,
     DeltaMessage,
     InternalEvent,
+    Usage,
 )
 from engine.request_stream import TokenLogprobs
 from engine.text import Delta
@@ -121,3 +131,13 @@ def test_the_opening_and_a_held_note_are_told_apart(prompts: list[list[int]]) ->
     note = held(token_note([3, 4], 5, 1)).encode()
     assert note.endswith(b"\n\n") and not is_opening(note[:-2]) and split(note[:-2]) == (note[:-2], None)
     assert json.loads(note[len(COMMENT_BYTES) :]) == {"ids": [3, 4], "chars": 5, "choice": 1}
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_the_usage_chunk_is_told_from_the_others(chat: bool) -> None:
+    """The relay must not write a second usage chunk after an engine that died before [DONE]: it knows the first."""
+    kind = ChatCompletionChunk if chat else CompletionChunk
+    usage = f"data: {kind(id='x', created=7, model='m', choices=[], usage=Usage.of(3, 4)).model_dump_json()}"
+    assert is_usage(usage.encode())
+    for text in ("Hi", '"choices":[]', ""):  # a token's text is escaped in its JSON string
+        assert not is_usage(model_event(chat, 0, text).encode()), text

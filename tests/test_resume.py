@@ -230,7 +230,9 @@ def test_the_relay_state_of_a_request_follows_the_internal_stream() -> None:
     import json
 
     from app.relay.inflight import DONE, EngineStopped, InFlight, InvalidRequest
+    from engine.chunks import sse
     from engine.internal_stream import held, token_note
+    from engine.protocol import ChatCompletionChunk, Usage
 
     request = InFlight.of("/v1/chat/completions", {"messages": [], "stream": True, "warmgate_resume": {"id": "x"},
                                                    "stream_options": {"include_usage": True}})  # fmt: skip
@@ -261,6 +263,10 @@ def test_the_relay_state_of_a_request_follows_the_internal_stream() -> None:
     usage = json.loads(ending[6 : ending.index(b"\n\n")])
     assert ending.endswith(DONE) and usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
     assert usage["id"] == "chatcmpl-1" and usage["choices"] == [] and usage["object"] == "chat.completion.chunk"
+    # The engine died after its usage chunk, before [DONE]: the relay ends the stream with [DONE] alone.
+    engine_usage = sse(ChatCompletionChunk(id="chatcmpl-1", created=7, model="demo", choices=[], usage=Usage.of(3, 5)))
+    assert request.take([engine_usage.encode()[:-2]]) == engine_usage.encode() and request.usage_sent
+    assert request.ending() == DONE
 
     whole = InFlight.of("/v1/completions", {"prompt": "x"})
     events = [opening.replace(b"chatcmpl", b"cmpl"), _sse({"choices": [{"text": "Hel"}]}, {"ids": [5], "chars": 3}),

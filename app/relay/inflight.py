@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common import json_codec
-from engine.internal_stream import COMMENT_BYTES, DONE_BYTES, DONE_EVENT, is_opening, split
+from engine.internal_stream import COMMENT_BYTES, DONE_BYTES, DONE_EVENT, is_opening, is_usage, split
 from engine.protocol import (
     ChatCompletionChunk,
     ChoiceResume,
@@ -75,6 +75,7 @@ class InFlight:
     model: str = ""
     started: bool = False  # a data event has reached the client (or the assembler)
     finish_seen: bool = False  # every choice's last token's event has been relayed
+    usage_sent: bool = False  # the usage chunk has been relayed (it follows the last finish)
     failed: bool = False  # the engine ended the stream with a final error, which the client got
     done: bool = False  # [DONE] relayed: nothing more to come
     first_token_at: float | None = None
@@ -142,6 +143,8 @@ class InFlight:
                 if error.get("code") == "engine_stopped":
                     raise EngineStopped(error.get("message", "engine stopped"))
                 self.failed = True  # a final error: the client gets it, then [DONE]
+            elif self.finish_seen and is_usage(event):
+                self.usage_sent = True
             self.started = True
             if self.streams:
                 out.append(event + b"\n\n")
@@ -180,8 +183,8 @@ class InFlight:
 
     def ending(self) -> bytes:
         """What a stream still needs after the last token's event, when its engine failed in between: the usage
-        chunk if it was asked for, then [DONE]."""
-        if not self.wants_usage or self.failed:
+        chunk if it was asked for and not yet relayed, then [DONE]."""
+        if not self.wants_usage or self.failed or self.usage_sent:
             return DONE
         kind = ChatCompletionChunk if self.route == CHAT else CompletionChunk
         chunk = kind(id=self.id or "", created=self.created or 0, model=self.model, choices=[], usage=self.usage())
