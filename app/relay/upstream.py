@@ -148,15 +148,12 @@ class EngineConnection(asyncio.Protocol):
         self._wake()
 
 
+_HEAD = b"%s %s HTTP/1.1\r\nhost: engine\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%b\r\n%b"
+
+
 def request_head(method: str, path: str, body: bytes, extra: bytes = b"") -> bytes:
     """An HTTP/1.1 request with a JSON body (``extra``: more header lines, each ending in CRLF)."""
-    return b"%s %s HTTP/1.1\r\nhost: engine\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%b\r\n%b" % (
-        method.encode(),
-        path.encode(),
-        len(body),
-        extra,
-        body,
-    )
+    return _HEAD % (method.encode(), path.encode(), len(body), extra, body)
 
 
 class EnginePool:
