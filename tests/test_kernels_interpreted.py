@@ -59,6 +59,9 @@ def test_paged_attention_kernel_reads_an_fp8_cache_as_the_reference_does() -> No
         from attention_cases import check_paged_attention
         check_paged_attention(torch.device("cpu"), torch.float32, 9, 3, 64, tolerance=1e-4,
                               kv_dtype=torch.float8_e4m3fn)
+        # a bf16 q, as on a GPU: the dots in fp16 (_dot_operand)
+        check_paged_attention(torch.device("cpu"), torch.bfloat16, 9, 3, 64, tolerance=2e-2,
+                              kv_dtype=torch.float8_e4m3fn)
     """)
 
 

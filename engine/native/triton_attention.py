@@ -119,6 +119,7 @@ def _paged_attention(
     else:
         q = tl.load(q_ptr + (q_begin + q_index)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
                     mask=q_mask, other=0.0)  # fmt: skip
+    q = _dot_operand(q, k_ptr)
     q_pos = context + q_index
     table = tables_ptr + seq * stride_table
     end = tl.minimum(seq_len, context + (q_block + 1) * BLOCK_Q)  # past the block's last row: invisible
@@ -245,6 +246,7 @@ def _shared_prefix_rows(
     dim_ok = dims < D
     q = tl.load(q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)  # fmt: skip
+    q = _dot_operand(q, k_ptr)
     for start in range(0, bulk, BLOCK_N):  # the first sequence's table: every one holds the same blocks there
         m_i, l_i, acc = _attend(q, q_pos, row_ok, m_i, l_i, acc, k_ptr, v_ptr, tables_ptr, start, bulk, kv_head,
                                 stride_ks, stride_kh, qk_scale, BLOCK_N, PAGE, D, D_P2, False, False)  # fmt: skip
@@ -257,6 +259,19 @@ def _shared_prefix_rows(
                                     start, end, kv_head, stride_ks, stride_kh, qk_scale, BLOCK_N, PAGE, D, D_P2, True,
                                     True)  # fmt: skip
     _store(out_ptr, acc, l_i, t, head, row_ok, dims, dim_ok, stride_ot, stride_oh)
+
+
+@triton.jit
+def _dot_operand(q, k_ptr):
+    """q as the walk's dots take it: a bf16 q over an fp8 cache in fp16, else q as it is. The dots take keys and
+    values in q's dtype, and sm_90 converts e4m3 codes to fp16 in one instruction a pair of values, to bf16 only
+    through fp16 with a second instruction a value: three conversions a pair instead of one, which made the fp8
+    cache's decode walk slower than bf16's at one row (the fiftieth session's H100 profile). A bf16 q is exact in
+    fp16 within its range (clamped to it), and so is every e4m3 value: the scores' products are those of bf16, and
+    only the probabilities for the values' dot keep more bits."""
+    if k_ptr.dtype.element_ty == tl.float8e4nv and q.dtype == tl.bfloat16:  # (constexpr: one return, one type)
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    return q
 
 
 @triton.jit
@@ -301,7 +316,7 @@ def _attend(
         k = tl.load(k_ptr + offsets)
     else:
         k = tl.load(k_ptr + offsets, mask=kv_mask, other=0.0)
-    k = k.to(q.dtype)  # an fp8 cache's codes (scale 1); nothing for a cache in q's dtype
+    k = k.to(q.dtype)  # an fp8 cache's codes (scale 1) to fp16 (_dot_operand); nothing for a cache in q's dtype
     scores = tl.dot(q, tl.trans(k)) * qk_scale
     if MASKED:
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
