@@ -113,6 +113,22 @@ def test_decode_of_fewer_programs_than_sms_is_split_to_about_four_programs_an_sm
             assert splits == MAX_SPLITS or programs * splits * 2 > 4 * sms, (sms, programs, splits)
 
 
+def test_an_fp8_caches_decode_walk_is_held_to_fewer_registers_only_where_its_grid_would_not_fit_the_sms() -> None:
+    """Over an fp8 cache a decode walk keeps its own registers (2 programs an SM) where the grid fits the SMs at that,
+    and is held to FP8_DECODE_REGISTERS (4 an SM) where it would not: llama3-8b's grids (sequences x 8 KV heads x
+    launch_shape's splits) on 132 SMs, as measured on an H100 (engine/native/triton_attention.py)."""
+    from engine.native.triton_attention import FP8_DECODE_REGISTERS, fp8_decode_registers, launch_shape
+
+    def held(seqs: int) -> bool:
+        programs = seqs * 8
+        registers = fp8_decode_registers(programs * launch_shape(4, 1, programs, 132).splits, 132)
+        assert registers in (None, FP8_DECODE_REGISTERS)
+        return registers is not None
+
+    assert {seqs: held(seqs) for seqs in (1, 2, 4, 16, 32, 33, 34, 64, 128)} == {
+        1: False, 2: False, 4: True, 16: True, 32: False, 33: False, 34: True, 64: True, 128: True}  # fmt: skip
+
+
 def test_split_k_makes_enough_programs_and_keeps_its_planes_within_a_quarter_of_the_weight() -> None:
     """k_splits: the fewest splits dividing the K blocks (at most MAX_SPLIT) that make 2.5 programs an SM, of those
     whose split-K planes (splits x m x N x 4 bytes) stay within a quarter of the weight's N x K bytes and whose

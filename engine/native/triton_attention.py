@@ -368,11 +368,20 @@ class Launch(NamedTuple):
 
 
 MAX_SPLITS = 16
-# A decode walk over an fp8 cache converts each tile of keys and values to q's dtype: 168 registers a thread on sm_90
-# where a bf16 cache's takes 102-111, 3 programs an SM instead of 4, so 64 sequences' 512 programs take 1.29 waves
-# of 132 SMs instead of 0.97. Held to 128 it keeps 4 (no spill at 1-64 rows, 8 bytes at 128: bench/kernel_resources.py
-# --kv-cache-dtype fp8, compiled without a GPU; not yet timed on one).
+# A decode walk over an fp8 cache converts each tile of keys and values for its dots (to fp16: _dot_operand), which
+# takes 183-242 registers a thread on sm_90 (bench/kernel_resources.py --kv-cache-dtype fp8): 2 programs an SM where
+# a bf16 cache's walk (102-111 registers) fits 4. Where the grid has more programs than SMs hold at 2, it is held to
+# FP8_DECODE_REGISTERS (4 an SM, 72 bytes spilled); otherwise it keeps its registers. H100, graphed decode step ms held
+# to 128 / not held (the fifty-first session): batch 1 (128 programs) 3.356 / 3.319, 16 (512) 3.632 / 3.698, 32 (256)
+# 3.928 / 3.910, 64 (512) 4.265 / 4.425, 128 (1,024) 5.161 / 5.347.
 FP8_DECODE_REGISTERS = 128
+FP8_DECODE_PROGRAMS_PER_SM = 2  # at the walk's own registers
+
+
+def fp8_decode_registers(programs: int, sms: int) -> int | None:
+    """The registers a thread that an fp8 cache's decode walk of ``programs`` programs is held to: FP8_DECODE_REGISTERS
+    where the SMs would not hold them all at once at its own registers, else None (not held)."""
+    return FP8_DECODE_REGISTERS if programs > FP8_DECODE_PROGRAMS_PER_SM * sms else None
 
 
 def launch_shape(group: int, max_query_len: int, programs: int, sms: int) -> Launch:
@@ -460,7 +469,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         grid, seqs_p2 = (t // block_q + seqs, kv_heads), triton.next_power_of_2(seqs)
     pdl = pdl_enabled(q.device) and t <= SMALL_ROWS
     if maxnreg is None and k_cache.dtype == KV_FP8 and batch.max_query_len == 1:
-        maxnreg = FP8_DECODE_REGISTERS
+        maxnreg = fp8_decode_registers(seqs * kv_heads * splits, sm_count(q.device))
     _paged_attention[grid](
         q, k_cache, v_cache, dest, batch.block_tables, batch.seq_lens, batch.query_start,
         _none_shared(q.device) if batch.shared_prefix is None else batch.shared_prefix,
