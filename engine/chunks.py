@@ -92,7 +92,7 @@ class ChunkWriter:
                 elif delta.text or delta.finish_reason or delta.logprobs:
                     yield _with_ids(chunk([self.delta_choice(chat, choice, delta, logprobs)]), answer, choice, delta)
                 elif answer.internal and delta.token_ids:  # a tool call's text, held: its tokens go on record
-                    yield held(token_note(delta.token_ids, choice.chars, choice.index))
+                    yield held(token_note(delta.token_ids, choice.chars, choice.index, choice.cached_to_tell()))
         except EngineFailure as exc:
             yield sse(ErrorResponse(error=exc.info))
             yield DONE
@@ -191,7 +191,7 @@ class ChunkWriter:
         """Token counts: the prompts (each once, whatever n), and every token generated (an eos included, though
         not shown), by every choice."""
         generated = answer.done_tokens + sum(c.completion_tokens for c in answer.choices)
-        return Usage.of(sum(len(p) for p in answer.prompts), generated)
+        return Usage.of(sum(len(p) for p in answer.prompts), generated, answer.cached_tokens())
 
 
 class TextChunks:
@@ -244,10 +244,11 @@ def _with_ids(event: str, answer: Answer, choice: TextGeneration, delta: Delta) 
     """An SSE data event, followed on the internal stream by the comment line of its choice's token ids."""
     if not answer.internal:
         return event
+    cached = choice.cached_to_tell()
     if delta.finish_reason is None:
-        return annotated_with(event, token_note(delta.token_ids, choice.chars, choice.index))
+        return annotated_with(event, token_note(delta.token_ids, choice.chars, choice.index, cached))
     return annotated(event, InternalEvent(ids=list(delta.token_ids), chars=choice.chars, finish=delta.finish_reason,
-                                          choice=choice.index))  # fmt: skip
+                                          choice=choice.index, cached=cached))  # fmt: skip
 
 
 class LogprobsJSON:

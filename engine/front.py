@@ -213,13 +213,14 @@ def _logprobs_in(body: list[Any] | None) -> TokenLogprobs | None:
 
 def _event_out(event: TokenEvent) -> list[Any]:
     prompt = None if event.prompt_logprobs is None else [_logprobs_out(p) for p in event.prompt_logprobs]
-    return [event.token_id, event.finish_reason, event.error, _logprobs_out(event.logprobs), prompt]
+    return [event.token_id, event.finish_reason, event.error, _logprobs_out(event.logprobs), prompt,
+            event.cached_tokens]  # fmt: skip
 
 
 def _event_in(body: list[Any]) -> TokenEvent:
-    token, finish, error, logprobs, prompt = body
+    token, finish, error, logprobs, prompt, cached = body
     prompt_logprobs = None if prompt is None else tuple(_logprobs_in(p) for p in prompt)
-    return TokenEvent(token, finish, error, _logprobs_in(logprobs), prompt_logprobs)
+    return TokenEvent(token, finish, error, _logprobs_in(logprobs), prompt_logprobs, cached)
 
 
 def _sized(sock: socket.socket) -> socket.socket:
@@ -380,7 +381,8 @@ class EngineLink:
                 sid = self._sids[stream]
                 if event.finish_reason is not None:
                     del self._sids[stream], self._streams[sid]
-                elif event.logprobs is None and event.prompt_logprobs is None and event.token_id is not None:
+                elif (event.logprobs is None and event.prompt_logprobs is None and event.token_id is not None
+                      and not event.cached_tokens):  # fmt: skip
                     items.append((sid, event.token_id))
                     continue
                 items.append((sid, event))

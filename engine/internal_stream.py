@@ -39,9 +39,10 @@ def annotated(event: str, note: InternalEvent) -> str:
     return annotated_with(event, note.model_dump_json(exclude_defaults=True))
 
 
-def token_note(ids: Sequence[int], chars: int, choice: int) -> str:
-    """``InternalEvent(ids=ids, chars=chars, choice=choice).model_dump_json(exclude_defaults=True)``, the comment of
-    an event with no finish reason (most of a stream's), written without building the model: once per token."""
+def token_note(ids: Sequence[int], chars: int, choice: int, cached: int | None = None) -> str:
+    """``InternalEvent(ids=ids, chars=chars, choice=choice, cached=cached).model_dump_json(exclude_defaults=True)``,
+    the comment of an event with no finish reason (most of a stream's), written without building the model: once
+    per token."""
     fields = []
     if ids:
         fields.append(f'"ids":[{",".join(map(str, ids))}]')
@@ -49,6 +50,8 @@ def token_note(ids: Sequence[int], chars: int, choice: int) -> str:
         fields.append(f'"chars":{chars}')
     if choice:
         fields.append(f'"choice":{choice}')
+    if cached is not None:
+        fields.append(f'"cached":{cached}')
     return "{" + ",".join(fields) + "}"
 
 

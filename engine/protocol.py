@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -131,6 +132,7 @@ class ChoiceResume(OpenAIModel):
     output_ids: list[int] = Field(default_factory=list)
     chars: int = Field(0, ge=0)
     finished: bool = False  # its last event reached the client: nothing more to generate
+    cached_tokens: int | None = Field(None, ge=0)  # its prompt's tokens found cached where it began, if known
 
 
 class Resume(OpenAIModel):
@@ -149,6 +151,7 @@ class Resume(OpenAIModel):
     started: bool = False  # the client has the stream's first events (a chat's role chunks, an echo)
     prompts: list[Annotated[list[int], Field(min_length=1)]] | None = None  # a request with several prompts: all
     choices: list[ChoiceResume] | None = None  # a request with several choices: each one's (not the fields above)
+    cached_tokens: int | None = Field(None, ge=0)  # the prompt's tokens found cached where it began, if known
 
 
 class InternalEvent(OpenAIModel):
@@ -158,6 +161,7 @@ class InternalEvent(OpenAIModel):
     chars: int = 0  # characters of text sent, this event included
     finish: FinishReason | None = None
     choice: int = 0  # the choice the event is of
+    cached: int | None = None  # a choice's first note: its prompt's tokens found cached (usage's cached_tokens)
     prompt_ids: list[int] | None = None  # on the stream's first event only, with the response's id and model
     prompts: list[list[int]] | None = None  # the first event of a request with several prompts: all of them
     choices: int = 1  # the first event: how many choices the response has
@@ -478,19 +482,33 @@ class CompletionRequest(SamplingRequest):
 # --- responses --------------------------------------------------------------------------------------------------
 
 
+class PromptTokensDetails(OpenAIModel):
+    cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache
+
+
 class Usage(OpenAIModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
-        """Usage with the total filled in."""
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
+        """Usage with the total and the cached prompt tokens filled in."""
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
         )
+
+
+def cached_prompt_tokens(cached: Mapping[int, int | None], prompts: int, n: int) -> int:
+    """A response's cached prompt tokens (``usage.prompt_tokens_details.cached_tokens``) from each choice's: the
+    tokens of its prompt it found in the prefix cache when it was admitted (``cached``, by choice index; None or
+    missing: none). Each prompt counts once, as in ``prompt_tokens``: by the fewest of its n choices, since the
+    choices after the first take the blocks the first computed."""
+    return sum(min(cached.get(p * n + i) or 0 for i in range(n)) for p in range(prompts))
 
 
 class TopLogprob(OpenAIModel):

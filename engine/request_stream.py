@@ -45,6 +45,8 @@ class TokenEvent:
     # On a request's first event, when it asked for them: each prompt token's (None for the first, which nothing
     # predicts), in the plain softmax of the logits.
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
+    # On a request's first event: its prompt's tokens that the prefix cache held when it was admitted.
+    cached_tokens: int = 0
 
 
 # Where a step's events of some streams go, in one call from the engine thread: an event loop's (``Outbox.sink``),

@@ -349,6 +349,7 @@ class EngineAPI:
                 state = states.get(index)
                 if state is not None and state.finished:
                     answer.done_tokens += len(state.output_ids)
+                    answer.done_cached[index] = state.cached_tokens
                     continue
                 prompt = prompts[index // n]
                 params = request.sampling_params(budgets[index // n], grammar, index)
@@ -508,7 +509,8 @@ def _choice_states(resume: Resume | None) -> dict[int, ChoiceResume]:
         return {}
     if resume.choices is not None:
         return {c.index: c for c in resume.choices}
-    return {0: ChoiceResume(index=0, output_ids=resume.output_ids, chars=resume.chars)}
+    return {0: ChoiceResume(index=0, output_ids=resume.output_ids, chars=resume.chars,
+                            cached_tokens=resume.cached_tokens)}  # fmt: skip
 
 
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]

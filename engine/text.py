@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.protocol import ChoiceResume, ErrorInfo, FinishReason
+from engine.protocol import ChoiceResume, ErrorInfo, FinishReason, cached_prompt_tokens
 from engine.tools import ToolCall, ToolCallText
 
 if TYPE_CHECKING:
@@ -66,7 +66,12 @@ class TextGeneration:
         self.text_offset: int | None = None  # where the next token's text begins, for completion logprobs
         self.prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # from the first event, if asked
         self.resumed_ids: list[int] = []  # the tokens another engine generated (a resume)
+        # Its prompt's tokens found in the prefix cache: from its first event, or from the engine where a resumed
+        # choice began (usage counts the prompt as that engine computed it); told once on the internal stream.
+        self.cached_tokens: int | None = None
+        self._cached_told = False
         if resumed is not None:
+            self.cached_tokens = resumed.cached_tokens
             text = "".join(self._decoder.add(token) for token in resumed.output_ids)
             self.completion_tokens, self.chars = len(resumed.output_ids), resumed.chars
             self._pending = text[resumed.chars :]
@@ -82,6 +87,8 @@ class TextGeneration:
         """Text as it is generated; the last Delta carries the finish reason ("stop" or "length")."""
         pending, ids, logprobs = self._pending, [], []
         async for event in self.stream:
+            if self.cached_tokens is None:  # its first event
+                self.cached_tokens = event.cached_tokens
             if event.prompt_logprobs is not None:
                 self.prompt_logprobs = event.prompt_logprobs
             if event.finish_reason == "error":
@@ -113,6 +120,13 @@ class TextGeneration:
                 yield self._delta(pending[:ready], None, ids, logprobs)
                 pending, ids, logprobs = pending[ready:], [], []
 
+    def cached_to_tell(self) -> int | None:
+        """Its cached prompt tokens for its first note on the internal stream (None after, or while unknown)."""
+        if self._cached_told or self.cached_tokens is None:
+            return None
+        self._cached_told = True
+        return self.cached_tokens
+
     def _delta(self, text: str, finish: FinishReason | None, ids: list[int],
                logprobs: list[tuple[int, TokenLogprobs]]) -> Delta:  # fmt: skip
         calls: list[ToolCall] = []
@@ -142,9 +156,15 @@ class Answer:
     internal: bool  # the gateway's internal stream: token ids after every event
     started_before: bool = False  # a resumed request whose first events (role chunks, echo) the client has
     done_tokens: int = 0  # tokens of the choices a failed engine finished (a resume): in the usage
+    done_cached: dict[int, int | None] = field(default_factory=dict)  # those choices' cached prompt tokens
     began: float = field(default_factory=time.monotonic)  # admitted
     received: float | None = None  # its request's receipt (before its body was read), where known
     first_token: float | None = None  # its first text came (a choice's first delta)
+
+    def cached_tokens(self) -> int:
+        """Its prompts' tokens found in the prefix cache (usage's ``prompt_tokens_details.cached_tokens``)."""
+        cached = {**self.done_cached, **{c.index: c.cached_tokens for c in self.choices}}
+        return cached_prompt_tokens(cached, len(self.prompts), self.count // len(self.prompts))
 
     async def deltas(self) -> AsyncIterator[tuple[TextGeneration, Delta]]:
         """Every choice's deltas, as they come."""

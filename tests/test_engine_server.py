@@ -135,7 +135,10 @@ def test_concurrent_chat_and_completions(worker: Worker, tokenizer: ChatTokenize
 
     text_out, finish, pieces = chat_stream_text(streamed)
     assert (text_out, finish) == (answer["message"]["content"], "stop")
+    # The same counts; how much of the prompt each found cached depends on which of them computed it first.
+    cached = [u.pop("prompt_tokens_details")["cached_tokens"] for u in (usage, streamed[-1]["usage"])]
     assert streamed[-1]["choices"] == [] and streamed[-1]["usage"] == usage
+    assert all(0 <= c < prompt_tokens and c % 16 == 0 for c in cached), cached  # whole blocks, not the last token
     # Each token of this English answer is a chunk; the final <|im_end|> is counted but never shown.
     assert usage["completion_tokens"] == len(pieces) + 1
 
@@ -156,7 +159,8 @@ def test_concurrent_chat_and_completions(worker: Worker, tokenizer: ChatTokenize
     text_body = text.json()
     assert text_body["object"] == "text_completion"
     assert text_body["choices"][0]["finish_reason"] == "length" and "Paris" in text_body["choices"][0]["text"]
-    assert text_body["usage"] == {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10}
+    assert text_body["usage"] == {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10,
+                                  "prompt_tokens_details": {"cached_tokens": 0}}  # less than a block  # fmt: skip
     choices = [e["choices"][0] for e in text_stream if e["choices"]]
     assert "".join(c["text"] for c in choices) == text_body["choices"][0]["text"]
     assert len(choices) == 5 and choices[-1]["finish_reason"] == "length"
@@ -346,6 +350,10 @@ def test_a_request_resumed_after_any_event_continues_exactly(worker: Worker, pat
             all_ids = [t for _, note in notes for t in note["ids"]]
             usage = whole[-1][1]["usage"]
             assert usage["completion_tokens"] == len(all_ids) and usage["prompt_tokens"] == len(opening["prompt_ids"])
+            # The first note says how much of the prompt was cached (the usage's figure), and only the first.
+            cached = notes[0][1]["cached"]
+            assert usage["prompt_tokens_details"] == {"cached_tokens": cached}
+            assert all("cached" not in note for _, note in notes[1:])
             text = streamed_text(whole, chat)
             # Cut after token-carrying events (the first, the last but one, and four between): resume with
             # what a client had received by then.
@@ -354,14 +362,15 @@ def test_a_request_resumed_after_any_event_continues_exactly(worker: Worker, pat
                 before = whole[: cut + 1]
                 ids = [t for i, n in notes if i <= cut for t in n["ids"]]
                 resume = {"id": opening["id"], "created": opening["created"], "prompt_ids": opening["prompt_ids"],
-                          "output_ids": ids, "chars": note["chars"], "started": True}  # fmt: skip
+                          "output_ids": ids, "chars": note["chars"], "started": True,
+                          "cached_tokens": cached}  # fmt: skip
                 after = await read_internal(client, path, {**body, "warmgate_resume": resume})
                 data = [item for kind, item in after if kind == "data"]
                 assert all(d["id"] == opening["id"] and d["created"] == opening["created"] for d in data)
                 if chat:
                     assert all("role" not in c["delta"] for d in data for c in d["choices"])
                 assert streamed_text(before, chat) + streamed_text(after, chat) == text, (cut, ids)
-                assert data[-1]["usage"] == usage
+                assert data[-1]["usage"] == usage  # cached_tokens too: where the request began
 
     asyncio.run(run())
 

@@ -73,15 +73,17 @@ def test_a_text_chunk_from_its_template_is_the_models_event(chat: bool, index: i
     assert ChunkWriter.text_choice(chat, index, "x").index == index
 
 
-@pytest.mark.parametrize(("ids", "chars", "choice"), [([5], 3, 0), ([5, 6, 7], 120, 2), ([], 0, 0), ([9], 0, 1),
-                                                      ([], 4, 0)])  # fmt: skip
-def test_a_token_note_is_the_models_json(ids: list[int], chars: int, choice: int) -> None:
-    expected = InternalEvent(ids=ids, chars=chars, choice=choice).model_dump_json(exclude_defaults=True)
-    assert token_note(ids, chars, choice) == expected
+@pytest.mark.parametrize(("ids", "chars", "choice", "cached"), [
+    ([5], 3, 0, None), ([5, 6, 7], 120, 2, None), ([], 0, 0, None), ([9], 0, 1, None), ([], 4, 0, None),
+    ([5], 3, 0, 0), ([5, 6], 9, 3, 160),  # a choice's first note says how much of its prompt was cached
+])  # fmt: skip
+def test_a_token_note_is_the_models_json(ids: list[int], chars: int, choice: int, cached: int | None) -> None:
+    expected = InternalEvent(ids=ids, chars=chars, choice=choice, cached=cached).model_dump_json(exclude_defaults=True)
+    assert token_note(ids, chars, choice, cached) == expected
     event = 'data: {"x":1}\n\n'
-    assert annotated_with(event, token_note(ids, chars, choice)) == annotated(event, InternalEvent(
-        ids=ids, chars=chars, choice=choice))  # fmt: skip
-    data, note = split(annotated_with(event, token_note(ids, chars, choice)).encode()[:-2])
+    assert annotated_with(event, token_note(ids, chars, choice, cached)) == annotated(event, InternalEvent(
+        ids=ids, chars=chars, choice=choice, cached=cached))  # fmt: skip
+    data, note = split(annotated_with(event, token_note(ids, chars, choice, cached)).encode()[:-2])
     assert data == b'data: {"x":1}' and note is not None and json.loads(note) == json.loads(expected)
 
 

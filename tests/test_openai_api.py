@@ -403,9 +403,11 @@ def _prefix_cache_hits(gateway: Gateway) -> int:
         return int(client.get("/health").json()["prefix_cache_hits"])
 
 
-def test_n_choices_prefill_their_prompt_once(gateway: Gateway) -> None:
+def test_n_choices_prefill_their_prompt_once_and_usage_says_what_was_cached(gateway: Gateway) -> None:
     """The choices of one prompt share its KV blocks: choices after the first take every full block of the prompt
-    from the prefix cache (they waited while the first computed them) instead of computing it again."""
+    from the prefix cache (they waited while the first computed them) instead of computing it again. The usage
+    counts that prompt once, as its first choice found it (nothing cached); asked again, its full blocks were
+    cached (``usage.prompt_tokens_details.cached_tokens``, as OpenAI and vLLM report it), whole and streamed."""
     client = _client(gateway)
     prompt = " ".join(f"w{i}" for i in range(60))  # no earlier request shares its blocks
     before = _prefix_cache_hits(gateway)
@@ -413,6 +415,16 @@ def test_n_choices_prefill_their_prompt_once(gateway: Gateway) -> None:
     assert answer.usage is not None and len(answer.choices) == 4
     full = (answer.usage.prompt_tokens - 1) // 16 * 16  # the demo's blocks hold 16 positions
     assert full >= 64 and _prefix_cache_hits(gateway) - before == 3 * full
+    assert answer.usage.prompt_tokens_details is not None and answer.usage.prompt_tokens_details.cached_tokens == 0
+
+    again = client.completions.create(model="demo", prompt=prompt, max_tokens=2, temperature=0)
+    streamed = [c.usage for c in client.completions.create(model="demo", prompt=prompt, max_tokens=2, temperature=0,
+                                                           stream=True, stream_options={"include_usage": True})
+                if c.usage is not None]  # fmt: skip
+    for usage in (again.usage, *streamed):
+        assert usage is not None and usage.prompt_tokens_details is not None
+        assert (usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens) == (answer.usage.prompt_tokens, full)
+    assert len(streamed) == 1
 
 
 @pytest.mark.parametrize(("fields", "words"), [

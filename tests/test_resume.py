@@ -109,7 +109,7 @@ def _stream(client: openai.OpenAI, kind: str, body: dict[str, Any], progress: li
             if choice.finish_reason:
                 finishes.append(choice.finish_reason)
     assert len(ids) == 1 and len(finishes) == 1, (ids, finishes)
-    return ("".join(pieces), calls), finishes[0], usage.model_dump() if usage else None, scores
+    return ("".join(pieces), calls), finishes[0], _counts(usage), scores
 
 
 def _whole(client: openai.OpenAI, kind: str, body: dict[str, Any]) -> tuple[Any, ...]:
@@ -121,7 +121,18 @@ def _whole(client: openai.OpenAI, kind: str, body: dict[str, Any]) -> tuple[Any,
         response = client.completions.create(**body)
         text = (response.choices[0].text, [])
     choice = response.choices[0]
-    return text, choice.finish_reason, response.usage.model_dump(), _scores(kind, choice.logprobs)
+    return text, choice.finish_reason, _counts(response.usage), _scores(kind, choice.logprobs)
+
+
+def _counts(usage: Any) -> dict[str, Any] | None:
+    """A usage's token counts. Its cached prompt tokens are left out: they depend on what the engine that computed
+    the prompt had cached (a repeat of a request finds its prompt there), not on the answer."""
+    if usage is None:
+        return None
+    counts = usage.model_dump()
+    cached = counts.pop("prompt_tokens_details")["cached_tokens"]
+    assert 0 <= cached < counts["prompt_tokens"], usage
+    return counts
 
 
 def _crashes(gateway: Gateway) -> int:
@@ -239,7 +250,8 @@ def test_the_relay_state_of_a_request_follows_the_internal_stream() -> None:
     assert "warmgate_resume" not in json.loads(request.body())  # a client cannot forge one
     opening = b': warmgate {"prompt_ids":[1,2,3],"id":"chatcmpl-1","created":7,"model":"demo"}'
     role = _sse({"id": "chatcmpl-1", "choices": [{"delta": {"role": "assistant", "content": ""}}]})
-    token = _sse({"id": "chatcmpl-1", "choices": [{"delta": {"content": "Hi"}}]}, {"ids": [42, 43], "chars": 2})
+    token = _sse({"id": "chatcmpl-1", "choices": [{"delta": {"content": "Hi"}}]}, {"ids": [42, 43], "chars": 2,
+                                                                                    "cached": 2})  # fmt: skip
     assert request.take([opening, role]) == role + b"\n\n"
     assert request.take([token]) == token.split(b"\n")[0] + b"\n\n"  # the comment line never reaches the client
     progress = request.progress()
@@ -247,7 +259,7 @@ def test_the_relay_state_of_a_request_follows_the_internal_stream() -> None:
                                                                                           True)  # fmt: skip
     resume = json.loads(request.body())["warmgate_resume"]
     assert resume == {"id": "chatcmpl-1", "created": 7, "prompt_ids": [1, 2, 3], "output_ids": [42, 43], "chars": 2,
-                      "started": True}  # fmt: skip
+                      "started": True, "cached_tokens": 2}  # fmt: skip
     # Tokens with no text to show yet (a tool call's, held until the answer ends) are on record all the same; an
     # engine's opening after a resume is not a note.
     assert request.take([held(token_note([44, 45], 2, 0)).encode()[:-2], opening]) == b""
@@ -261,7 +273,8 @@ def test_the_relay_state_of_a_request_follows_the_internal_stream() -> None:
     assert request.finish_seen and request.progress().output_ids == [42, 43, 44, 45, 2]  # parsed from where it was
     ending = request.ending()
     usage = json.loads(ending[6 : ending.index(b"\n\n")])
-    assert ending.endswith(DONE) and usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+    assert ending.endswith(DONE) and usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8,
+                                                        "prompt_tokens_details": {"cached_tokens": 2}}  # fmt: skip
     assert usage["id"] == "chatcmpl-1" and usage["choices"] == [] and usage["object"] == "chat.completion.chunk"
     # The engine died after its usage chunk, before [DONE]: the relay ends the stream with [DONE] alone.
     engine_usage = sse(ChatCompletionChunk(id="chatcmpl-1", created=7, model="demo", choices=[], usage=Usage.of(3, 5)))

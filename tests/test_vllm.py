@@ -253,6 +253,13 @@ def test_serve_with_the_vllm_backend_restarts_under_load(demo_path, tmp_path: Pa
                                                max_tokens=16, temperature=0)  # fmt: skip
         assert reply.choices[0].message.content
         _check_logprobs(client)
+        # vLLM's prefix cache: a prompt asked again finds its full blocks cached, and the usage says how many.
+        counting = [{"role": "user", "content": "Count on: " + " ".join(str(i) for i in range(60))}]
+        usages = [client.chat.completions.create(model="demo", messages=counting, max_tokens=2).usage
+                  for _ in range(2)]  # fmt: skip
+        assert all(u is not None and u.prompt_tokens_details is not None for u in usages), usages
+        first, again = (u.prompt_tokens_details.cached_tokens for u in usages)  # type: ignore[union-attr]
+        assert first == 0 and 0 < again < usages[1].prompt_tokens, usages  # type: ignore[union-attr]
 
         stop = threading.Event()
         results: dict[str, Any] = {"ok": 0, "failed": []}

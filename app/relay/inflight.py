@@ -31,6 +31,7 @@ from engine.protocol import (
     InternalEvent,
     Resume,
     Usage,
+    cached_prompt_tokens,
 )
 from engine.responses import assemble
 
@@ -54,10 +55,12 @@ class EngineStopped(Exception):
 
 @dataclass
 class Progress:
-    """What the comments kept so far say of one choice: every generated id and the characters sent."""
+    """What the comments kept so far say of one choice: every generated id, the characters sent, and its prompt's
+    tokens that the engine where it began found cached (its first note says)."""
 
     output_ids: list[int] = field(default_factory=list)
     chars: int = 0
+    cached: int | None = None
 
 
 @dataclass
@@ -107,10 +110,12 @@ class InFlight:
         if self.prompt_ids is not None and self.id is not None and self.created is not None:
             first = self.progress(0)
             resume = Resume(id=self.id, created=self.created, prompt_ids=self.prompt_ids, output_ids=first.output_ids,
-                            chars=first.chars, started=self.started, prompts=self.prompts)  # fmt: skip
+                            chars=first.chars, started=self.started, prompts=self.prompts,
+                            cached_tokens=first.cached)  # fmt: skip
             if self.choices > 1:
                 resume.choices = [ChoiceResume(index=i, output_ids=self.progress(i).output_ids,
-                                               chars=self.progress(i).chars, finished=i in self._finished)
+                                               chars=self.progress(i).chars, finished=i in self._finished,
+                                               cached_tokens=self.progress(i).cached)
                                   for i in range(self.choices)]  # fmt: skip
             payload["warmgate_resume"] = resume.model_dump(exclude_none=True)
         return json_codec.dumps(payload)
@@ -169,6 +174,8 @@ class InFlight:
                 progress = self._progress.setdefault(note.get("choice", 0), Progress())
                 progress.output_ids += note.get("ids", ())
                 progress.chars = note.get("chars", progress.chars)
+                if progress.cached is None:  # the engine where it began says it (a resumed engine repeats it)
+                    progress.cached = note.get("cached")
             self._parsed = len(self._notes)
         return self._progress.setdefault(choice, Progress())
 
@@ -178,8 +185,11 @@ class InFlight:
         return sum(len(p.output_ids) for p in self._progress.values())
 
     def usage(self) -> Usage:
+        generated = self.generated()  # the notes not read yet parsed
         prompts = self.prompts or ([self.prompt_ids] if self.prompt_ids else [])
-        return Usage.of(sum(len(p) for p in prompts), self.generated())
+        cached = {choice: p.cached for choice, p in self._progress.items()}
+        return Usage.of(sum(len(p) for p in prompts), generated,
+                        cached_prompt_tokens(cached, len(prompts), self.choices // max(1, len(prompts))))  # fmt: skip
 
     def ending(self) -> bytes:
         """What a stream still needs after the last token's event, when its engine failed in between: the usage

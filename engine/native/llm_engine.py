@@ -470,7 +470,8 @@ class LLMEngine(EngineThread[Sequence]):
         for work in step:
             seq = work.seq
             if work.samples and not seq.params.max_tokens and not seq.finished:  # a prompt scored, nothing generated
-                self._finish(seq, TokenEvent(None, "length", prompt_logprobs=_prompt_logprobs(seq)))
+                self._finish(seq, TokenEvent(None, "length", prompt_logprobs=_prompt_logprobs(seq),
+                                             cached_tokens=_cached_tokens(seq)))  # fmt: skip
         if sampled is None:
             return
         for i, token, logprobs in zip(landed.rows, sampled.tokens, sampled.logprobs, strict=True):
@@ -492,7 +493,8 @@ class LLMEngine(EngineThread[Sequence]):
                 reason = "stop"
             elif len(seq.output) >= p.max_tokens or seq.known >= self.max_model_len:
                 reason = "length"
-            event = TokenEvent(token, reason, logprobs=logprobs, prompt_logprobs=_prompt_logprobs(seq))
+            event = TokenEvent(token, reason, logprobs=logprobs, prompt_logprobs=_prompt_logprobs(seq),
+                               cached_tokens=_cached_tokens(seq))  # fmt: skip
             if reason:
                 self._finish(seq, event)
             else:
@@ -640,6 +642,12 @@ def _prompt_logprobs(seq: Sequence) -> tuple[Any, ...] | None:
     """The prompt's logprobs, once (on the sequence's first event)."""
     got, seq.prompt_logprobs = seq.prompt_logprobs, None
     return tuple(got) if got is not None else None
+
+
+def _cached_tokens(seq: Sequence) -> int:
+    """Its prompt's tokens found cached at its admission, once (on the sequence's first event)."""
+    got, seq.cached_tokens = seq.cached_tokens, 0
+    return got or 0
 
 
 @dataclass

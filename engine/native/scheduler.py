@@ -51,6 +51,9 @@ class Sequence:
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # collected by position while it is prefilled
     hashes: list[bytes] = field(default_factory=list)  # of its full blocks so far, each chained to the one before
     remembered: int = 0  # leading blocks the prefix cache was told about
+    # Its prompt's tokens that were cached at its first admission (usage's cached_tokens): None until admitted, then
+    # reported once, on its first event (``LLMEngine``); a preempted sequence admitted again does not count again.
+    cached_tokens: int | None = None
     limit: int = sys.maxsize  # the length at which it ends (prompt + max_tokens, or the engine's max_model_len)
     # Tokens drawn on the device and not yet read (a step's tokens are read once the next step is launched), and
     # the row of the latest among the tokens its step drew: the next step's input, copied on the device.
@@ -164,6 +167,8 @@ class Scheduler:
                 self.allocator.queried_tokens += seq.length
                 self.allocator.hit_tokens += seq.computed
                 in_flight.update(self._computing(seq))
+            if seq.cached_tokens is None:
+                seq.cached_tokens = min(seq.computed, len(seq.prompt))
             self.waiting.popleft()
             self.running.append(seq)
             step.append(Scheduled(seq, seq.computed, count))

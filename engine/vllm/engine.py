@@ -125,6 +125,7 @@ class VllmEngine(EngineThread[_Pending]):
         self._top_logprobs: dict[str, int] = {}  # request id -> alternatives it asks for, if it asks for logprobs
         self._prompt_logprobs: dict[str, tuple[list[int], int]] = {}  # request id -> (prompt, alternatives): echo
         self._score_only: set[str] = set()  # max_tokens 0: vLLM generates one token, which nobody gets
+        self._unopened: set[str] = set()  # no output yet: the first says how much of the prompt vLLM found cached
         t = time.perf_counter()
         self._warm_up()
         self.startup_phases["warmup"] = time.perf_counter() - t
@@ -169,6 +170,7 @@ class VllmEngine(EngineThread[_Pending]):
             self._prompt_logprobs[stream.request_id] = (list(prompt_ids), params.prompt_logprobs)
         if params.max_tokens == 0:
             self._score_only.add(stream.request_id)
+        self._unopened.add(stream.request_id)
         self._enqueue(_Pending(stream, [*prompt_ids, *output], vllm_params))
         return stream
 
@@ -241,6 +243,7 @@ class VllmEngine(EngineThread[_Pending]):
         self._top_logprobs.clear()
         self._prompt_logprobs.clear()
         self._score_only.clear()
+        self._unopened.clear()
         REGISTRY.clear()
 
     def _admit(self, pending: list[_Pending]) -> None:
@@ -273,8 +276,9 @@ class VllmEngine(EngineThread[_Pending]):
             top = self._top_logprobs.get(out.request_id, 0)
             logprobs = completion.logprobs or [None] * len(ids)
             prompt = self._prompt_scores(out)
+            cached = self._cached_tokens(out, stream)
             if out.request_id in self._score_only:  # the prompt scored: its one generated token is dropped
-                stream.push(TokenEvent(None, "length", prompt_logprobs=prompt))
+                stream.push(TokenEvent(None, "length", prompt_logprobs=prompt, cached_tokens=cached))
                 if not out.finished:
                     self.llm.abort_request([out.request_id])
                 self._drop(out.request_id)
@@ -282,11 +286,20 @@ class VllmEngine(EngineThread[_Pending]):
             for i, (token, alternatives) in enumerate(zip(ids, logprobs, strict=True)):
                 stream.push(TokenEvent(token, reason if i == len(ids) - 1 else None,
                                        logprobs=_token_logprobs(token, alternatives, top),
-                                       prompt_logprobs=prompt if i == 0 else None))  # fmt: skip
+                                       prompt_logprobs=prompt if i == 0 else None,
+                                       cached_tokens=cached if i == 0 else 0))  # fmt: skip
             if out.finished:
                 if not ids:
                     stream.push(TokenEvent(None, reason))
                 self._drop(out.request_id)
+
+    def _cached_tokens(self, out: Any, stream: RequestStream) -> int:
+        """The prompt's tokens vLLM found in its prefix cache, on the request's first output (a resume's prompt
+        holds the tokens generated before it: those are not the client's prompt)."""
+        if out.request_id not in self._unopened:
+            return 0
+        self._unopened.discard(out.request_id)
+        return min(getattr(out, "num_cached_tokens", None) or 0, stream.prompt_tokens)
 
     def _prompt_scores(self, out: Any) -> tuple[TokenLogprobs | None, ...] | None:
         """The prompt's logprobs, on the request's first output (vLLM's: the first token's is None)."""
@@ -302,6 +315,7 @@ class VllmEngine(EngineThread[_Pending]):
         self._top_logprobs.pop(request_id, None)
         self._prompt_logprobs.pop(request_id, None)
         self._score_only.discard(request_id)
+        self._unopened.discard(request_id)
         REGISTRY.pop(request_id, None)
         return self._streams.pop(request_id)
 
