@@ -327,15 +327,17 @@ def test_a_dead_engine_that_the_table_still_names_uses_up_no_resume(gateway: Gat
 def test_three_choices_resume_each_from_its_own_tokens(gateway: Gateway) -> None:
     """n = 3, seeded and sampled: the active engine is killed while the choices stream; each choice goes on from
     its own tokens on the next engine (its seeded draws skipped), byte for byte as an undisturbed run, and the
-    whole answer assembled by the relay equals the stream."""
+    whole answer assembled by the relay equals the stream. The usage keeps what the killed engine found cached of
+    the prompt (every full block: the undisturbed run computed it there), as the client would have had it."""
     client = _client(gateway)
     body = {"model": "demo", "messages": [{"role": "user", "content": "Tell me about the sea."}], "n": 3,
             "temperature": 1.0, "seed": 21, "max_tokens": 60}  # fmt: skip
 
-    def streamed(kill_after: int | None) -> dict[int, str]:
+    def streamed(kill_after: int | None) -> tuple[dict[int, str], Any]:
         texts: dict[int, str] = {}
-        seen = 0
-        for chunk in client.chat.completions.create(**body, stream=True):
+        seen, usage = 0, None
+        for chunk in client.chat.completions.create(**body, stream=True, stream_options={"include_usage": True}):
+            usage = chunk.usage or usage
             for c in chunk.choices:
                 texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
                 seen += 1
@@ -343,13 +345,15 @@ def test_three_choices_resume_each_from_its_own_tokens(gateway: Gateway) -> None
                     pid = gateway.active_pid()
                     assert pid is not None
                     os.kill(pid, signal.SIGKILL)
-        return texts
+        return texts, usage
 
-    expected = streamed(None)
+    expected, _ = streamed(None)
     assert len(expected) == 3 and len(set(expected.values())) > 1
     wait_for(lambda: gateway.status()["standbys"], 120, "a standby was not ready")
     crashes = _crashes(gateway)
-    assert streamed(40) == expected  # about 13 tokens a choice before the kill
+    texts, usage = streamed(40)  # about 13 tokens a choice before the kill
+    assert texts == expected
+    assert usage is not None and usage.prompt_tokens_details.cached_tokens == (usage.prompt_tokens - 1) // 16 * 16
     wait_for(lambda: _crashes(gateway) > crashes, 60, "the killed engine was not replaced")
     whole = client.chat.completions.create(**body)
     assert {c.index: c.message.content for c in whole.choices} == expected
