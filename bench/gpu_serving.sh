@@ -4,9 +4,10 @@
 #   bash bench/gpu_serving.sh setup probe tests graphs profile ab attention engine structured prefix defaults speed restarts serve  # any subset
 # The serving acceptance (setup + serve fit one 10-minute device call: ~10 s wheels, ~25 s synth, serve <= 480 s):
 #   bash bench/gpu_serving.sh setup serve        # SERVE_ARGS / SERVE_TIMEOUT override
-# Issue 25's acceptance, in two calls on the H200 only (`h200` stops the rest on any other card):
-#   SPEED_LOADS="table long" bash bench/gpu_serving.sh setup h200 profile speed    # one call
-#   PREFIX_RAMPS=0 bash bench/gpu_serving.sh setup h200 prefix                       # one cached/uncached pair
+# Issue 25's acceptance on the H200 only (`h200` stops the rest on any other card), in one call (~6 min from a cold
+# start, estimated from an H100's call times: profile ~1 min, the table ~45 s, the long load ~25 s, a prefix pair ~55 s):
+#   SPEED_LOADS="table long" PREFIX_RAMPS=0 PREFIX_PAIRS=3 PREFIX_TIMEOUT=60 \
+#     bash bench/gpu_serving.sh setup h200 profile speed prefix
 # The fp8 KV cache against the default (its GPU tests and the decode steps): bash bench/gpu_serving.sh setup kv-fp8
 # Results go to a folder under /tmp/gpuout, packed at the end into $OUT/results.tgz (markdown copied beside it).
 # The synthetic llama3-8b fp8-block checkpoint stays in /tmp/wg while the machine is warm.
@@ -165,10 +166,13 @@ PY
             # (waves) and with their starts spread over 2 s (serve_load --ramp-s); PREFIX_RAMPS overrides the spreads
             # ("0 2"), PREFIX_CACHING the settings ("true false"), PREFIX_SET adds one engine setting to every run
             # (e.g. max_num_batched_tokens=512, also in the names); PREFIX_CHAT=1 sends chat requests as text (the
-            # acceptance's wording; serve_load --chat) instead of token ids. ~1 min per run on a warm machine.
+            # acceptance's wording; serve_load --chat) instead of token ids; PREFIX_PAIRS=N repeats it all N times
+            # (-runK in the names). ~30 s per run on a warm machine.
+            for pair in $(seq ${PREFIX_PAIRS:-1}); do
             for ramp in ${PREFIX_RAMPS:-0 2}; do
               for caching in ${PREFIX_CACHING:-true false}; do
                 NAME=prefix-$caching-ramp$ramp${PREFIX_SET:+-${PREFIX_SET//=/}}${PREFIX_CHAT:+-chat}
+                NAME=$NAME${PREFIX_PAIRS:+-run$pair}
                 timeout -k 30 ${PREFIX_TIMEOUT:-270} python3 bench/serve_load.py --model $MODEL --device cuda \
                   --max-num-seqs 128 --kv-cache-bytes 20000000000 --out $RUN/$NAME --deadline-s 200 \
                   --concurrency 64 --requests-per-client 4 --direct-concurrency 0 --restart-probe 0 \
@@ -177,6 +181,7 @@ PY
                 cp $RUN/$NAME/serve_load.md $OUT/$NAME.md 2>/dev/null
                 cp $RUN/$NAME/serve_load.json $OUT/$NAME.json 2>/dev/null
               done
+            done
             done ;;
     defaults) # Issue 24: `warmgate serve --model M` with no engine settings (the memory plan sizes everything) at 64
             # and 256 streams, then the hand-tuned settings of the other runs at 64 streams. ~3 min each.
@@ -227,3 +232,9 @@ PY
 done
 cp $RUN/serve/serve_load.md $OUT/ 2>/dev/null
 tar czf $OUT/results.tgz -C $RUN .
+# A call brings back at most 8 files from $OUT: past that, the markdown goes into one summary.md and the JSON copies
+# go (results.tgz holds them all).
+if [ $(ls $OUT | wc -l) -gt 8 ]; then
+  for f in $OUT/*.md; do echo "## $(basename $f)"; echo; cat $f; echo; done > $RUN.summary.md
+  rm -f $OUT/*.json $OUT/*.md && mv $RUN.summary.md $OUT/summary.md
+fi
