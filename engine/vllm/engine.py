@@ -125,7 +125,9 @@ class VllmEngine(EngineThread[_Pending]):
         self._top_logprobs: dict[str, int] = {}  # request id -> alternatives it asks for, if it asks for logprobs
         self._prompt_logprobs: dict[str, tuple[list[int], int]] = {}  # request id -> (prompt, alternatives): echo
         self._score_only: set[str] = set()  # max_tokens 0: vLLM generates one token, which nobody gets
-        self._unopened: set[str] = set()  # no output yet: the first says how much of the prompt vLLM found cached
+        # request id -> the tokens it asked vLLM to compute, until its first output says how many were cached
+        self._unopened: dict[str, int] = {}
+        self._prefix_queries = self._prefix_hits = 0  # vLLM's prefix_cache_queries / prefix_cache_hits, as counted here
         t = time.perf_counter()
         self._warm_up()
         self.startup_phases["warmup"] = time.perf_counter() - t
@@ -170,7 +172,7 @@ class VllmEngine(EngineThread[_Pending]):
             self._prompt_logprobs[stream.request_id] = (list(prompt_ids), params.prompt_logprobs)
         if params.max_tokens == 0:
             self._score_only.add(stream.request_id)
-        self._unopened.add(stream.request_id)
+        self._unopened[stream.request_id] = len(prompt_ids) + len(output)
         self._enqueue(_Pending(stream, [*prompt_ids, *output], vllm_params))
         return stream
 
@@ -199,7 +201,9 @@ class VllmEngine(EngineThread[_Pending]):
 
     @property
     def prefix_cache(self) -> tuple[int, int]:
-        return 0, 0  # the same: vLLM's prefix-cache counters stay in its own metrics
+        """Tokens of the requests vLLM began since the engine started, and those of them it found cached (from each
+        request's first output, as the native engine counts them at admission)."""
+        return self._prefix_queries, self._prefix_hits
 
     @property
     def kv_blocks_free(self) -> int:
@@ -295,11 +299,15 @@ class VllmEngine(EngineThread[_Pending]):
 
     def _cached_tokens(self, out: Any, stream: RequestStream) -> int:
         """The prompt's tokens vLLM found in its prefix cache, on the request's first output (a resume's prompt
-        holds the tokens generated before it: those are not the client's prompt)."""
-        if out.request_id not in self._unopened:
+        holds the tokens generated before it: those are not the client's prompt), counted in ``prefix_cache``."""
+        asked = self._unopened.pop(out.request_id, None)
+        if asked is None:
             return 0
-        self._unopened.discard(out.request_id)
-        return min(getattr(out, "num_cached_tokens", None) or 0, stream.prompt_tokens)
+        cached = getattr(out, "num_cached_tokens", None) or 0
+        if self.config.enable_prefix_caching:
+            self._prefix_queries += asked
+            self._prefix_hits += cached
+        return min(cached, stream.prompt_tokens)
 
     def _prompt_scores(self, out: Any) -> tuple[TokenLogprobs | None, ...] | None:
         """The prompt's logprobs, on the request's first output (vLLM's: the first token's is None)."""
@@ -315,7 +323,7 @@ class VllmEngine(EngineThread[_Pending]):
         self._top_logprobs.pop(request_id, None)
         self._prompt_logprobs.pop(request_id, None)
         self._score_only.discard(request_id)
-        self._unopened.discard(request_id)
+        self._unopened.pop(request_id, None)
         REGISTRY.pop(request_id, None)
         return self._streams.pop(request_id)
 
