@@ -6,7 +6,7 @@
 #   bash bench/gpu_serving.sh setup serve        # SERVE_ARGS / SERVE_TIMEOUT override
 # Issue 25's acceptance on the H200 only (`h200` stops the rest on any other card), in one call (~6 min from a cold
 # start, estimated from an H100's call times: profile ~1 min, the table ~45 s, the long load ~25 s, a prefix pair ~55 s):
-#   SPEED_LOADS="table long" PREFIX_RAMPS=0 PREFIX_PAIRS=3 PREFIX_TIMEOUT=60 \
+#   PROFILE_ARGS=--skip-gemms SPEED_LOADS="table long" PREFIX_RAMPS=0 PREFIX_PAIRS=3 PREFIX_TIMEOUT=60 \
 #     bash bench/gpu_serving.sh setup h200 profile speed prefix
 # The fp8 KV cache against the default (its GPU tests and the decode steps): bash bench/gpu_serving.sh setup kv-fp8
 # Results go to a folder under /tmp/gpuout, packed at the end into $OUT/results.tgz (markdown copied beside it).
