@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -225,6 +226,12 @@ class Gateway:
 
     def status(self) -> dict[str, Any]:
         return self.admin("GET", "/admin/status").json()  # type: ignore[no-any-return]
+
+    def metric(self, name: str) -> float:
+        """A sample of the gateway's /metrics by name, labelled or not (a counter's ``_total``); 0 while it has none."""
+        text = httpx.get(f"{self.url}/metrics").text
+        found = re.search(rf"^{re.escape(name)}(?:_total)?(?:{{[^}}]*}})? (\S+)$", text, re.M)
+        return float(found.group(1)) if found else 0.0
 
     def active_pid(self) -> int | None:
         status = self.status()

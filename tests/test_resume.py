@@ -139,13 +139,6 @@ def _crashes(gateway: Gateway) -> int:
     return sum(r["reason"] == "crash" and r["ok"] for r in gateway.status()["restarts"])
 
 
-def _metric(gateway: Gateway, name: str) -> float:
-    for line in httpx.get(f"{gateway.url}/metrics").text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "_total "):
-            return float(line.split()[-1])
-    return 0.0
-
-
 def test_streams_and_whole_answers_survive_five_kills_byte_for_byte(gateway: Gateway) -> None:
     client = _client(gateway)
     requests = _requests()
@@ -175,7 +168,7 @@ def test_streams_and_whole_answers_survive_five_kills_byte_for_byte(gateway: Gat
 
     threads = [threading.Thread(target=loop, args=(i, True)) for i in range(16)]
     threads += [threading.Thread(target=loop, args=(i, False)) for i in WHOLE]
-    resumes_before, crashes_before = _metric(gateway, "warmgate:request_resumes"), _crashes(gateway)
+    resumes_before, crashes_before = gateway.metric("warmgate:request_resumes"), _crashes(gateway)
     for t in threads:
         t.start()
     try:
@@ -193,9 +186,9 @@ def test_streams_and_whole_answers_survive_five_kills_byte_for_byte(gateway: Gat
             t.join(timeout=300)
     assert not failures, (len(failures), [f for f in failures if "!=" in f][:3] or failures[:3])
     assert served[0] >= 20
-    resumed = _metric(gateway, "warmgate:request_resumes") - resumes_before
+    resumed = gateway.metric("warmgate:request_resumes") - resumes_before
     assert resumed >= 5, f"only {resumed} requests were resumed over 5 kills"
-    assert _metric(gateway, "warmgate:request_resume_failures") == 0
+    assert gateway.metric("warmgate:request_resume_failures") == 0
 
 
 def test_a_poison_request_fails_after_its_resumes_and_the_others_are_served(gateway: Gateway) -> None:

@@ -190,13 +190,6 @@ def _load(url: str, stop: threading.Event, results: dict[str, Any]) -> None:
             results["failed"].append(f"{type(exc).__name__}: {exc}")
 
 
-def _gauge(gw: Any, name: str) -> float:
-    """A metric of the gateway's /metrics, labels or not (a counter's _total sample); 0 while it has none."""
-    text = httpx.get(f"{gw.url}/metrics").text
-    found = re.search(rf"^{re.escape(name)}(?:_total)?(?:{{[^}}]*}})? (\S+)$", text, re.M)
-    return float(found.group(1)) if found else 0.0
-
-
 def _running(gw: Any) -> int:
     """Requests the active engine is generating for (its /health), 0 when none is active."""
     status = gw.status()
@@ -268,8 +261,8 @@ def test_serve_with_the_vllm_backend_restarts_under_load(demo_path, tmp_path: Pa
         first, again = (u.prompt_tokens_details.cached_tokens for u in usages)  # type: ignore[union-attr]
         assert first == 0 and 0 < again < usages[1].prompt_tokens, usages  # type: ignore[union-attr]
         # The engine counts them as the native one does, under vLLM's metric names (from its heartbeats).
-        wait_for(lambda: _gauge(gw, "vllm:prefix_cache_hits") >= again, 30, "the cached tokens in the metrics")
-        assert _gauge(gw, "vllm:prefix_cache_queries") >= 2 * usages[1].prompt_tokens  # type: ignore[union-attr]
+        wait_for(lambda: gw.metric("vllm:prefix_cache_hits") >= again, 30, "the cached tokens in the metrics")
+        assert gw.metric("vllm:prefix_cache_queries") >= 2 * usages[1].prompt_tokens  # type: ignore[union-attr]
 
         stop = threading.Event()
         results: dict[str, Any] = {"ok": 0, "failed": []}
