@@ -6,7 +6,7 @@ not (``per_sequence``); decode steps also through the launch of a step with prom
 and without the shared prefix). ``--baseline FILE``: a second copy of engine/native/triton_attention.py (e.g. ``git show
 REV:engine/native/triton_attention.py``) timed beside the working tree's, twice each in turn, with the largest
 difference of their outputs from the current kernel's. ``--launches n32_r168,dg8,...``: launch choices of LAUNCHES
-tried too on the steps that walk a shared prefix once (the current launch's and decode's ``as_mixed``);
+tried too on the steps with prompt rows and those that walk a shared prefix once (decode's ``as_mixed``);
 ``--splits unsplit,split8,...``: decode steps without a shared prefix with their positions split over other numbers
 of programs (SPLITS); ``--cases decode``: only the cases whose names start so.
 
@@ -63,6 +63,11 @@ LAUNCHES: dict[str, dict[str, int]] = {
     "dg8": {"decode_group": 8},
     "dg16": {"decode_group": 16},
     "n32_r168_dg8": {"block_n": 32, "maxnreg": 168, "decode_group": 8},
+    "w8": {"num_warps": 8},  # 64-row tiles over two warp groups
+    "q32_w8": {"block_q": 32, "num_warps": 8},  # 128-row tiles (32 tokens x 4 heads), a warp group per 64 rows
+    "q32_w8_s3": {"block_q": 32, "num_warps": 8, "num_stages": 3},
+    "q32_w8_n128": {"block_q": 32, "num_warps": 8, "block_n": 128},
+    "q32_w8_r255": {"block_q": 32, "num_warps": 8, "maxnreg": 255},
 }
 # Decode steps of a few sequences (fewer programs, a program a sequence and KV head, than SMs) with their positions
 # split over other numbers of programs than launch_shape's (split_kv), for the steps without a shared prefix; and
@@ -139,7 +144,7 @@ def main() -> None:
             variants["as_mixed"] = (current, replace(batch, max_query_len=2), {})
             if shared:
                 variants["as_mixed_per_sequence"] = (current, replace(batch, max_query_len=2, shared_prefix=None), {})
-        if shared:
+        if shared or batch.max_query_len > 1:  # steps with prompt rows, and decode rows walked with them
             walked_once = "as_mixed" if batch.max_query_len == 1 else "current"
             for choice, choices in launches.items():
                 variants[f"{walked_once}+{choice}"] = (current, variants[walked_once][1], choices)
