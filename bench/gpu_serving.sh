@@ -4,8 +4,8 @@
 #   bash bench/gpu_serving.sh setup probe tests graphs profile ab attention engine structured prefix defaults speed restarts serve  # any subset
 # The serving acceptance (setup + serve fit one 10-minute device call: ~10 s wheels, ~25 s synth, serve <= 480 s):
 #   bash bench/gpu_serving.sh setup serve        # SERVE_ARGS / SERVE_TIMEOUT override
-# Issue 25's acceptance on the H200 only (`h200` stops the rest on any other card), in one call (~6 min from a cold
-# start, estimated from an H100's call times: profile ~1 min, the table ~45 s, the long load ~25 s, a prefix pair ~55 s):
+# Issue 25's acceptance on the H200 only (`h200` stops the rest on any other card), in one call (without `h200`, a
+# fresh H100 ran it in 297 s: setup ~30 s, profile 42 s, speed 66 s, three prefix pairs ~158 s; docs/benchmarks.md):
 #   PROFILE_ARGS=--skip-gemms SPEED_LOADS="table long" PREFIX_RAMPS=0 PREFIX_PAIRS=3 PREFIX_TIMEOUT=60 \
 #     bash bench/gpu_serving.sh setup h200 profile speed prefix
 # The fp8 KV cache against the default (its GPU tests and the decode steps): bash bench/gpu_serving.sh setup kv-fp8
@@ -169,19 +169,19 @@ PY
             # acceptance's wording; serve_load --chat) instead of token ids; PREFIX_PAIRS=N repeats it all N times
             # (-runK in the names). ~30 s per run on a warm machine.
             for pair in $(seq ${PREFIX_PAIRS:-1}); do
-            for ramp in ${PREFIX_RAMPS:-0 2}; do
-              for caching in ${PREFIX_CACHING:-true false}; do
-                NAME=prefix-$caching-ramp$ramp${PREFIX_SET:+-${PREFIX_SET//=/}}${PREFIX_CHAT:+-chat}
-                NAME=$NAME${PREFIX_PAIRS:+-run$pair}
-                timeout -k 30 ${PREFIX_TIMEOUT:-270} python3 bench/serve_load.py --model $MODEL --device cuda \
-                  --max-num-seqs 128 --kv-cache-bytes 20000000000 --out $RUN/$NAME --deadline-s 200 \
-                  --concurrency 64 --requests-per-client 4 --direct-concurrency 0 --restart-probe 0 \
-                  --shared-prefix 2000 --prompt-len 50 --engine-set enable_prefix_caching=$caching \
-                  ${PREFIX_SET:+--engine-set $PREFIX_SET} ${PREFIX_CHAT:+--chat} --ramp-s $ramp 2>&1 | tail -8
-                cp $RUN/$NAME/serve_load.md $OUT/$NAME.md 2>/dev/null
-                cp $RUN/$NAME/serve_load.json $OUT/$NAME.json 2>/dev/null
+              for ramp in ${PREFIX_RAMPS:-0 2}; do
+                for caching in ${PREFIX_CACHING:-true false}; do
+                  NAME=prefix-$caching-ramp$ramp${PREFIX_SET:+-${PREFIX_SET//=/}}${PREFIX_CHAT:+-chat}
+                  NAME=$NAME${PREFIX_PAIRS:+-run$pair}
+                  timeout -k 30 ${PREFIX_TIMEOUT:-270} python3 bench/serve_load.py --model $MODEL --device cuda \
+                    --max-num-seqs 128 --kv-cache-bytes 20000000000 --out $RUN/$NAME --deadline-s 200 \
+                    --concurrency 64 --requests-per-client 4 --direct-concurrency 0 --restart-probe 0 \
+                    --shared-prefix 2000 --prompt-len 50 --engine-set enable_prefix_caching=$caching \
+                    ${PREFIX_SET:+--engine-set $PREFIX_SET} ${PREFIX_CHAT:+--chat} --ramp-s $ramp 2>&1 | tail -8
+                  cp $RUN/$NAME/serve_load.md $OUT/$NAME.md 2>/dev/null
+                  cp $RUN/$NAME/serve_load.json $OUT/$NAME.json 2>/dev/null
+                done
               done
-            done
             done ;;
     defaults) # Issue 24: `warmgate serve --model M` with no engine settings (the memory plan sizes everything) at 64
             # and 256 streams, then the hand-tuned settings of the other runs at 64 streams. ~3 min each.
