@@ -1,14 +1,16 @@
-"""Paged attention on the GPU for the steps a prefix wave and decoding make: prefill chunks over a shared cached
-prefix (the blocks every sequence's table shares), with and without decode rows, decode alone, fresh prompts; each
-timed in a CUDA graph over 32 layers' caches (llama3-8b's 32 query heads on 8 KV heads, dim 128). Steps over the
-shared prefix run twice in this tree: told the prefix (``StepBatch.shared_prefix``: walked for all rows at once) and
-not (``per_sequence``); decode steps also through the launch of a step with prompt rows (``as_mixed``, with
-and without the shared prefix). ``--baseline FILE``: a second copy of engine/native/triton_attention.py (e.g. ``git show
-REV:engine/native/triton_attention.py``) timed beside the working tree's, twice each in turn, with the largest
-difference of their outputs from the current kernel's. ``--launches n32_r168,dg8,...``: launch choices of LAUNCHES
-tried too on the steps with prompt rows and those that walk a shared prefix once (decode's ``as_mixed``);
-``--splits unsplit,split8,...``: decode steps without a shared prefix with their positions split over other numbers
-of programs (SPLITS); ``--cases decode``: only the cases whose names start so.
+"""Paged attention on the GPU for the steps a prefix wave and decoding make: prefill chunks over a shared cached prefix
+(the blocks every sequence's table shares), with and without decode rows, decode alone, fresh prompts; each timed in a
+CUDA graph over 32 layers' caches (llama3-8b's 32 query heads on 8 KV heads, dim 128). Steps over the shared prefix run
+twice in this tree: told the prefix (``StepBatch.shared_prefix``: walked once for the rows of several sequences) and not
+(``per_sequence``); decode steps also through the launch of a step with prompt rows (``as_mixed``, with and without the
+shared prefix), and as the model launches them (``engine``: from the unrotated q/k/v projection, rotating the queries
+and writing the new keys and values, the output quantized for o_proj where the kernel does that; ``engine_per_sequence``
+beside it over a shared prefix). ``--baseline FILE``: a second copy of engine/native/triton_attention.py (e.g. ``git
+show REV:engine/native/triton_attention.py``) timed beside the working tree's, twice each in turn, with the largest
+difference of their outputs from the current kernel's. ``--launches n32_r168,dg8,...``: launch choices of LAUNCHES tried
+too on the steps with prompt rows and those that walk a shared prefix once (decode's ``as_mixed``); ``--splits
+unsplit,split8,...``: decode steps without a shared prefix with their positions split over other numbers of programs
+(SPLITS); ``--cases decode``: only the cases whose names start so.
 
     PYTHONPATH=/tmp/site:$PWD python3 bench/attention_ab.py --out $OUT/ab.json [--baseline /tmp/old_attention.py]
 """
@@ -22,6 +24,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -34,22 +37,31 @@ from engine.native.attention import StepBatch
 HEADS, KV_HEADS, DIM, LAYERS, PAGE, PREFIX = 32, 8, 128, 32, 16, 2000
 CHUNKS = [(PREFIX + 50, 50)] * 20  # 20 questions of 50 tokens after a cached 2,000-token system prompt
 DECODES = [(PREFIX + 100, 1)] * 44  # sequences of the same wave already decoding
-CASES: dict[str, tuple[list[tuple[int, int]], bool]] = {  # (context after the step, rows) per sequence; shared prefix
-    "20 chunks of 50 over 2,000 cached": (CHUNKS, True),
-    "20 chunks of 50 + 44 decode rows over 2,000 cached": (CHUNKS + DECODES, True),
-    "44 decode rows, then 20 chunks, over 2,000 cached": (DECODES + CHUNKS, True),  # the engine's order
-    "44 decode rows at 2,100": (DECODES, True),
-    "64 decode rows at 2,100": ([(PREFIX + 100, 1)] * 64, True),
-    "decode 1 at 300": ([(300, 1)], False),
-    "decode 64 at 300": ([(300, 1)] * 64, False),
-    "decode 1 at 2,000": ([(2000, 1)], False),
-    "decode 1 at 8,000": ([(8000, 1)], False),
-    "decode 4 at 4,000": ([(4000, 1)] * 4, False),
-    "decode 8 at 1,000": ([(1000, 1)] * 8, False),
-    "decode 16 at 300": ([(300, 1)] * 16, False),
-    "decode 16 at 2,000": ([(2000, 1)] * 16, False),
-    "fresh 1 x 1,024": ([(1024, 1024)], False),
-    "fresh 4 x 512": ([(512, 512)] * 4, False),
+# (context after the step, rows) per sequence; the first positions every sequence holds in the same blocks (0: none)
+CASES: dict[str, tuple[list[tuple[int, int]], int]] = {
+    "20 chunks of 50 over 2,000 cached": (CHUNKS, PREFIX),
+    "20 chunks of 50 + 44 decode rows over 2,000 cached": (CHUNKS + DECODES, PREFIX),
+    "44 decode rows, then 20 chunks, over 2,000 cached": (DECODES + CHUNKS, PREFIX),  # the engine's order
+    "44 decode rows at 2,100": (DECODES, PREFIX),
+    "64 decode rows at 2,100": ([(PREFIX + 100, 1)] * 64, PREFIX),
+    # decode over a shared prefix: from the fewest sequences a launch walks unsplit on an H100 (17) to 128, and a
+    # prefix as short as a sequence's own positions (SHARED_MIN: 256)
+    "decode over a shared prefix: 24 at 2,100": ([(PREFIX + 100, 1)] * 24, PREFIX),
+    "decode over a shared prefix: 32 at 2,100": ([(PREFIX + 100, 1)] * 32, PREFIX),
+    "decode over a shared prefix: 128 at 2,100": ([(PREFIX + 100, 1)] * 128, PREFIX),
+    "decode over a shared prefix: 64 at 2,300": ([(PREFIX + 300, 1)] * 64, PREFIX),
+    "decode over a shared prefix: 64 at 256 + 200": ([(456, 1)] * 64, 256),
+    "decode over a shared prefix: 128 at 512 + 100": ([(612, 1)] * 128, 512),
+    "decode 1 at 300": ([(300, 1)], 0),
+    "decode 64 at 300": ([(300, 1)] * 64, 0),
+    "decode 1 at 2,000": ([(2000, 1)], 0),
+    "decode 1 at 8,000": ([(8000, 1)], 0),
+    "decode 4 at 4,000": ([(4000, 1)] * 4, 0),
+    "decode 8 at 1,000": ([(1000, 1)] * 8, 0),
+    "decode 16 at 300": ([(300, 1)] * 16, 0),
+    "decode 16 at 2,000": ([(2000, 1)] * 16, 0),
+    "fresh 1 x 1,024": ([(1024, 1024)], 0),
+    "fresh 4 x 512": ([(512, 512)] * 4, 0),
 }
 # Launch choices other than launch_shape's for the shared walk (paged_attention's keyword arguments). Compiled for
 # sm_90 by Triton 3.6 (bench/kernel_resources.py), the launch of a step with prompt rows holds 250 registers a thread:
@@ -83,15 +95,16 @@ SPLITS: dict[str, dict[str, int]] = {
 }
 
 
-def step_batch(specs: list[tuple[int, int]], shared: bool, device: torch.device) -> tuple[StepBatch, int, int]:
-    """The step's metadata, its cache's blocks and its rows; ``shared``: the first PREFIX positions of every
-    sequence in the same blocks (as prefix caching leaves them)."""
-    prefix_blocks, next_block = PREFIX // PAGE, PREFIX // PAGE + 1
+def step_batch(specs: list[tuple[int, int]], prefix: int, device: torch.device) -> tuple[StepBatch, int, int]:
+    """The step's metadata, its cache's blocks and its rows; ``prefix``: the first positions of every sequence in the
+    same blocks (as prefix caching leaves them; 0: none), a decode step's walked once for several sequences."""
+    prefix_blocks = prefix // PAGE
+    next_block = prefix_blocks + 1
     tables, starts = [], [0]
     for length, rows in specs:
         n = -(-length // PAGE)
-        own = n - prefix_blocks if shared else n
-        tables.append((list(range(1, prefix_blocks + 1)) if shared else []) + list(range(next_block, next_block + own)))
+        own = n - prefix_blocks
+        tables.append(list(range(1, prefix_blocks + 1)) + list(range(next_block, next_block + own)))
         next_block += own
         starts.append(starts[-1] + rows)
     table = torch.zeros(len(specs), max(map(len, tables)), dtype=torch.int32)
@@ -102,8 +115,28 @@ def step_batch(specs: list[tuple[int, int]], shared: bool, device: torch.device)
                       seq_lens=torch.tensor([length for length, _ in specs], device=device),
                       block_tables=table.to(device), logits_indices=torch.empty(0),
                       max_query_len=max(rows for _, rows in specs), block_size=PAGE,
-                      shared_prefix=torch.tensor([PREFIX // PAGE * PAGE if shared else 0], device=device))  # fmt: skip
+                      shared_prefix=torch.tensor([prefix_blocks * PAGE], device=device),
+                      decode_walks_shared=prefix > 0)  # fmt: skip
     return batch, next_block, starts[-1]
+
+
+def engine_decode(batch: StepBatch, rows: int, device: torch.device) -> tuple[torch.Tensor, dict[str, Any]]:
+    """A decode step's inputs as the model gives them to attention: the unrotated q/k/v projection, and the launch's
+    rotary angles, each sequence's new token's slot and o_proj's quantized rows (triton_attention.Rope)."""
+    qkv = torch.randn(rows, (HEADS + 2 * KV_HEADS) * DIM, device=device, dtype=torch.bfloat16)
+    angles = torch.rand(rows, DIM // 2, device=device) * 6
+    last = batch.seq_lens - 1
+    blocks = batch.block_tables.gather(1, (last // PAGE)[:, None].to(torch.int64))[:, 0]
+    slots = blocks.to(torch.int64) * PAGE + last % PAGE
+    return qkv, {"rope": current.Rope(angles.cos(), angles.sin(), slots, HEADS), "quantize_rows": rows}
+
+
+def engine_output(kernel: ModuleType, meta: StepBatch, choices: dict[str, Any], qkv: torch.Tensor,
+                  caches: tuple[torch.Tensor, torch.Tensor]) -> list[torch.Tensor]:  # fmt: skip
+    """A decode launch's output as bytes: o_proj's codes and scales where it quantized them, else its values."""
+    out = kernel.paged_attention(qkv, *caches, meta, DIM**-0.5, **choices)
+    parts = (out.q, out.scale) if isinstance(out, current.Quantized) else (out,)
+    return [part.contiguous().view(torch.uint8) for part in parts]
 
 
 def load(path: Path) -> ModuleType:
@@ -136,39 +169,51 @@ def main() -> None:
                    torch.randn(blocks * PAGE, KV_HEADS, DIM, device=device, dtype=torch.bfloat16))
                   for _ in range(LAYERS)]  # fmt: skip
         q = torch.randn(rows, HEADS, DIM, device=device, dtype=torch.bfloat16)
-        # label -> (kernel module, the step's metadata, launch choices)
-        variants: dict[str, tuple[ModuleType, StepBatch, dict[str, int]]] = {"current": (current, batch, {})}
+        # label -> (kernel module, the step's metadata, launch choices, the queries: q, or decode's q/k/v projection)
+        variants: dict[str, tuple[ModuleType, StepBatch, dict[str, Any], torch.Tensor]] = {
+            "current": (current, batch, {}, q)
+        }
+        per_sequence = replace(batch, shared_prefix=None, decode_walks_shared=False)
         if shared:
-            variants["per_sequence"] = (current, replace(batch, shared_prefix=None), {})
-        if batch.max_query_len == 1:  # decode rows through the launch of a step with prompt rows
-            variants["as_mixed"] = (current, replace(batch, max_query_len=2), {})
+            variants["per_sequence"] = (current, per_sequence, {}, q)
+        if batch.max_query_len == 1:  # decode rows through the launch of a step with prompt rows, and as the model asks
+            variants["as_mixed"] = (current, replace(batch, max_query_len=2), {}, q)
             if shared:
-                variants["as_mixed_per_sequence"] = (current, replace(batch, max_query_len=2, shared_prefix=None), {})
+                as_mixed = replace(batch, max_query_len=2, shared_prefix=None)
+                variants["as_mixed_per_sequence"] = (current, as_mixed, {}, q)
+            qkv, as_engine = engine_decode(batch, rows, device)
+            variants["engine"] = (current, batch, as_engine, qkv)
+            if shared:
+                variants["engine_per_sequence"] = (current, per_sequence, as_engine, qkv)
         if shared or batch.max_query_len > 1:  # steps with prompt rows, and decode rows walked with them
             walked_once = "as_mixed" if batch.max_query_len == 1 else "current"
             for choice, choices in launches.items():
-                variants[f"{walked_once}+{choice}"] = (current, variants[walked_once][1], choices)
+                variants[f"{walked_once}+{choice}"] = (current, variants[walked_once][1], choices, q)
         if batch.max_query_len == 1 and not shared:
             for choice, choices in splits.items():
-                variants[choice] = (current, batch, choices)
+                variants[choice] = (current, batch, choices, q)
         if baseline:
-            variants["baseline"] = (baseline, batch, {})
+            variants["baseline"] = (baseline, batch, {}, q)
         row: dict[str, float | bool] = {}
         for turn in range(2):
-            for label, (kernel, meta, choices) in variants.items():
+            for label, (kernel, meta, choices, query) in variants.items():
 
-                def step(kernel: ModuleType = kernel, meta: StepBatch = meta, choices: dict[str, int] = choices,
-                         caches: list[tuple[torch.Tensor, torch.Tensor]] = caches) -> None:  # fmt: skip
+                def step(kernel: ModuleType = kernel, meta: StepBatch = meta, choices: dict[str, Any] = choices,
+                         query: torch.Tensor = query, caches: list[tuple[torch.Tensor, torch.Tensor]] = caches,
+                         ) -> None:  # fmt: skip
                     for k, v in caches:
-                        kernel.paged_attention(q, k, v, meta, DIM**-0.5, **choices)
+                        kernel.paged_attention(query, k, v, meta, DIM**-0.5, **choices)
 
                 row[f"{label}_us" + ("_again" if turn else "")] = round(graphed_us(step, 5), 1)
         first = current.paged_attention(q, *caches[0], batch, DIM**-0.5).float()
-        for label, (kernel, meta, choices) in variants.items():
-            if label != "current":
+        for label, (kernel, meta, choices, query) in variants.items():
+            if label != "current" and query is q:
                 other = kernel.paged_attention(q, *caches[0], meta, DIM**-0.5, **choices).float()
                 row[f"{label}_max_abs_difference"] = float((first - other).abs().max())
                 row[f"{label}_identical"] = bool(torch.equal(first, other))
+        if "engine_per_sequence" in variants:  # the shared walk's output against a walk a sequence, as o_proj takes it
+            made = [engine_output(*variants[label], caches[0]) for label in ("engine", "engine_per_sequence")]
+            row["engine_per_sequence_identical"] = all(map(torch.equal, *made))
         results[name] = row
         print(f"{name:52s} {row}", flush=True)
         del caches

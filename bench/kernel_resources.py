@@ -32,14 +32,16 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, DIM, VOCAB = 4096, 14336, 32, 8, 128, 128256
 SMS = 132
 PREFIX = 2000
-# step name -> (context after the step, rows) per sequence, and whether every sequence holds the prefix's blocks
-STEPS: dict[str, tuple[list[tuple[int, int]], bool]] = {
-    "decode 1": ([(300, 1)], False),
-    "decode 16": ([(300, 1)] * 16, False),
-    "decode 64": ([(300, 1)] * 64, False),
-    "decode 128": ([(300, 1)] * 128, False),
-    "44 decode rows + 20 questions over a cached prefix": ([(PREFIX + 100, 1)] * 44 + [(PREFIX + 50, 50)] * 20, True),
-    "fresh 1,024-token prompt": ([(1024, 1024)], False),
+# step name -> (context after the step, rows) per sequence, and the first positions every sequence holds in the same
+# blocks (0: none)
+STEPS: dict[str, tuple[list[tuple[int, int]], int]] = {
+    "decode 1": ([(300, 1)], 0),
+    "decode 16": ([(300, 1)] * 16, 0),
+    "decode 64": ([(300, 1)] * 64, 0),
+    "decode 128": ([(300, 1)] * 128, 0),
+    "44 decode rows + 20 questions over a cached prefix": ([(PREFIX + 100, 1)] * 44 + [(PREFIX + 50, 50)] * 20, PREFIX),
+    "64 decode rows over a cached prefix": ([(PREFIX + 100, 1)] * 64, PREFIX),
+    "fresh 1,024-token prompt": ([(1024, 1024)], 0),
 }
 
 

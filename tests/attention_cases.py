@@ -17,7 +17,8 @@ PAGE = 16
 def make_batch(specs: list[tuple[int, int]], blocks: int, device: torch.device, gen: torch.Generator,
                max_query_len: int | None = None, pad_seqs: int = 0, shared: int = 0) -> StepBatch:  # fmt: skip
     """Sequences given as (context length after the step, query rows this step), blocks scattered at random;
-    ``shared``: the first positions of every sequence in the same blocks (told to the kernel), a multiple of PAGE."""
+    ``shared``: the first positions of every sequence in the same blocks (told to the kernel, a decode step's walked
+    once for several sequences), a multiple of PAGE."""
     order = (torch.randperm(blocks - 1, generator=gen) + 1).tolist()  # block 0 is the null block
     common, used = order[: shared // PAGE], shared // PAGE
     tables = []
@@ -40,7 +41,7 @@ def make_batch(specs: list[tuple[int, int]], blocks: int, device: torch.device, 
         query_start=torch.tensor(starts, device=device), seq_lens=torch.tensor(lengths, device=device),
         block_tables=table.to(device), logits_indices=torch.empty(0),
         max_query_len=max_query_len or max(n for _, n in specs), block_size=PAGE,
-        shared_prefix=torch.tensor([shared], device=device),
+        shared_prefix=torch.tensor([shared], device=device), decode_walks_shared=shared > 0,
         context_slots=[torch.from_numpy(slots_of(t, 0, length, PAGE)).to(device)
                        for t, (length, _) in zip(tables, specs, strict=True)]
         + [torch.empty(0, dtype=torch.long, device=device)] * pad_seqs,
@@ -80,6 +81,11 @@ def check_paged_attention(device: torch.device, dtype: torch.dtype, heads: int, 
     decode = [(37, 1), (1, 1), (16, 1), (17, 1), (200, 1)]
     splits = {f"decode split {n}": (decode, None, 0, 0, 0, n) for n in (1, 2, 3, 8)}
     splits["decode split 4, graph-shaped (padding sequences and rows)"] = ([(33, 1), (140, 1)], None, 3, 2, 0, 4)
+    # decode rows over a shared prefix, walked once for DECODE_GROUP sequences (unsplit; split: a sequence a walk)
+    over_prefix = [(200 + 31, 1), (200 + 1, 1), (200 + 40, 1), (200 + 70, 1), (200 + 18, 1), (200 + 3, 1)]
+    splits["decode over a shared prefix"] = (over_prefix, None, 0, 0, 192, 1)
+    splits["decode over a shared prefix, graph-shaped"] = (over_prefix[::-1], None, 3, 2, 192, 1)
+    splits["decode over a shared prefix, split 3"] = (over_prefix, None, 0, 0, 192, 3)
     for name, (specs, max_query_len, pad, pad_rows, *more) in {**cases, **splits}.items():
         common, split_kv = more[0] if more else 0, more[1] if len(more) > 1 else None
         batch = make_batch(specs, blocks, device, gen, max_query_len, pad, common)
@@ -141,19 +147,27 @@ def check_decode_attention_rotates_and_writes_its_token(device: torch.device, dt
     same attention: the same keys and values in the cache, the same output (the rotation is one shared FMA), also
     quantized for o_proj, for every way of splitting the walk (the new token in a split of
     its own, in a split with others; splits left empty), and in a graph-shaped launch (padding sequences and rows,
-    which write nothing). ``kv_dtype``: the cache's element type where it is not ``dtype`` (fp8: both round the
-    rotated keys from fp32 and the values from the projection once)."""
-    from engine.native.fused_ops import Quantized, rope_kv_write
+    which write nothing); walked once over a shared prefix (StepBatch.shared_prefix: the rows of several sequences
+    a program, each sequence's token written by the program of its group), quantized there too past SMALL_ROWS rows.
+    ``kv_dtype``: the cache's element type where it is not ``dtype`` (fp8: both round the rotated keys from fp32 and
+    the values from the projection once)."""
+    from engine.native.fused_ops import SMALL_ROWS, Quantized, rope_kv_write
     from engine.native.triton_attention import Rope, paged_attention
     from engine.native.triton_fp8 import quantize_groups
 
     gen = torch.Generator().manual_seed(5)
-    heads, kv_heads, dim, blocks = 8, 2, 128, 64
+    heads, kv_heads, dim, blocks = 8, 2, 128, 240
     decode = [(37, 1), (1, 1), (16, 1), (17, 1), (200, 1), (65, 1)]
-    cases = {f"split {n}": (decode, 0, 0, n) for n in (None, 1, 3, 8)}
-    cases["graph-shaped, split 4"] = ([(33, 1), (140, 1)], 3, 2, 4)
-    for name, (specs, pad, pad_rows, split_kv) in cases.items():
-        batch = make_batch(specs, blocks, device, gen, 1, pad)
+    # (context after the step, rows) per sequence, padding sequences, padding rows, splits, the shared prefix
+    cases = {f"split {n}": (decode, 0, 0, n, 0) for n in (None, 1, 3, 8)}
+    cases["graph-shaped, split 4"] = ([(33, 1), (140, 1)], 3, 2, 4, 0)
+    over_prefix = [(64 + 1, 1), (64 + 40, 1), (64 + 16, 1), (64 + 70, 1), (64 + 17, 1)]
+    cases["one walk over a shared prefix, graph-shaped"] = (over_prefix, 2, 3, 1, 64)
+    cases["split over a shared prefix (a walk a split)"] = (over_prefix, 0, 0, 3, 64)
+    many = [(32 + 1 + 7 * i % 40, 1) for i in range(SMALL_ROWS + 3)]  # past SMALL_ROWS: quantized by the walk
+    cases["one walk over a shared prefix, quantized"] = (many, 1, 1, 1, 32)
+    for name, (specs, pad, pad_rows, split_kv, shared) in cases.items():
+        batch = make_batch(specs, blocks, device, gen, 1, pad, shared)
         rows = len(specs)
         tables = batch.block_tables.cpu().tolist()
         new = [int(slots_of(tables[i], length - 1, length, PAGE)[0]) for i, (length, _) in enumerate(specs)]
@@ -177,9 +191,11 @@ def check_decode_attention_rotates_and_writes_its_token(device: torch.device, dt
         k2, v2 = k_ref.clone(), v_ref.clone()
         made = paged_attention(qkv, k2, v2, batch, dim**-0.5, rope=Rope(cos, sin, slots, heads),
                                quantize_rows=rows + pad_rows, **launch)  # fmt: skip
-        assert isinstance(made, Quantized) == (split_kv != 1), name  # from the merge (one walk: past SMALL_ROWS)
+        # from the merge, or from the one walk's store past SMALL_ROWS rows
+        assert isinstance(made, Quantized) == (split_kv != 1 or rows + pad_rows > SMALL_ROWS), name
         if not isinstance(made, Quantized):
             continue
+        assert torch.equal(bits(k2[real]), bits(k_ref[real])) and torch.equal(bits(v2[real]), bits(v_ref[real])), name
         ref_q, ref_s = quantize_groups(expected, rows + pad_rows)
         assert torch.equal(made.q[:rows].view(torch.uint8), ref_q[:rows].view(torch.uint8)), name
         assert torch.equal(made.scale[:rows], ref_s[:rows]), name

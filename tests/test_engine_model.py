@@ -189,10 +189,11 @@ def test_an_fp8_kv_cache_holds_a_token_in_a_quarter_of_the_cpus_bytes_and_answer
 def test_a_step_of_questions_after_a_cached_prefix_tells_attention_the_blocks_they_share(
     demo_path, tokenizer, caplog
 ) -> None:
-    """The runner tells the attention kernel how many first positions every sequence of a step with prompt rows
-    holds in the same blocks (the kernel then walks them for all rows at once): a cached system prompt's whole blocks
-    for questions after it; none once a sequence of its own is in the step, under SHARED_MIN positions, or for a
-    step of decode rows. The engine's step trace says it, with each step's launch on the host's monotonic clock."""
+    """The runner tells the attention kernel how many first positions every sequence of a step holds in the same
+    blocks (the kernel then walks them once for the rows of several sequences): a cached system prompt's whole
+    blocks for questions after it, and for their decode steps; none once a sequence of its own is in the step, or
+    under SHARED_MIN positions. The engine's step trace says it, with each step's launch on the host's monotonic
+    clock."""
     import re
     import time
 
@@ -221,7 +222,7 @@ def test_a_step_of_questions_after_a_cached_prefix_tells_attention_the_blocks_th
     fields = [dict(re.findall(r"(\w+)=(\S+)", line)) for line in traced]
     assert [(int(f["seqs"]), int(f["tokens"]), int(f["shared"])) for f in fields] == told, traced
     assert before <= float(fields[0]["launched_at"]) <= after, (before, traced[0], after)
-    assert all(shared_ == 0 for _, _, shared_ in told[1:])  # decode rows: the kernel walks each sequence
+    assert [shared_ for seqs, rows, shared_ in told[1:] if seqs == rows == 3] == [shared] * (len(told) - 1)  # decode
     told.clear()
     engine.generate([questions[1], tokenizer.encode("Something else entirely, " * 20).ids], params)
     assert told[0][0] == 2 and told[0][2] == 0  # a sequence of its own in the step
@@ -597,7 +598,7 @@ def test_graphs_are_captured_with_the_garbage_collector_off(monkeypatch: pytest.
     import gc
 
     class Runner:  # what capture_all reads of a ModelRunner
-        mixed_sizes, decode_sizes, capture_parts = [96], [1, 8], {}
+        mixed_sizes, decode_sizes, shared_decode_sizes, capture_parts = [96], [1, 8], [8], {}
 
         def __init__(self, fail_at: tuple[str, int] | None = None) -> None:
             self.captured: list[tuple[tuple[str, int], bool]] = []
@@ -615,7 +616,8 @@ def test_graphs_are_captured_with_the_garbage_collector_off(monkeypatch: pytest.
     assert gc.isenabled()
     runner = Runner()
     ModelRunner.capture_all(runner)  # type: ignore[arg-type]
-    assert runner.captured == [(("mixed", 96), False), (("decode", 8), False), (("decode", 1), False)]
+    assert runner.captured == [(("mixed", 96), False), (("decode", 8), False), (("shared", 8), False),
+                               (("decode", 1), False)]  # fmt: skip
     assert gc.isenabled()
     failing = Runner(fail_at=("decode", 8))
     with pytest.raises(RuntimeError, match="capture failed"):

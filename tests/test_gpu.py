@@ -115,37 +115,57 @@ def test_questions_over_a_shared_cached_prefix_get_the_tokens_of_attention_a_seq
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Prefix caching's shared blocks walked for every row of a step at once (StepBatch.shared_prefix) give the same
-    greedy tokens as the same steps walking each sequence's blocks (SHARED_MIN out of reach), graphed and eager."""
+    greedy tokens as the same steps walking each sequence's blocks (SHARED_MIN out of reach), graphed and eager: the
+    questions' prompt rows, and their decode steps through the decode launch's shared walk (its graph for 24
+    sequences replayed; SHARED_DECODE_FILL lowered so that qwen3-0.6b's 8 KV heads take it at 20 sequences)."""
     from attention_cases import record_shared_prefixes
 
     from engine.config import EngineConfig
-    from engine.native import model_runner
+    from engine.native import model_runner, triton_attention
     from engine.native.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
 
+    monkeypatch.setattr(triton_attention, "SHARED_DECODE_FILL", 0.0)
     path = synth_checkpoint(tmp_path / "q", "qwen3-0.6b", "fp8-block", num_layers=2, device="cuda", progress=False)
     system = [(5 * i) % 3000 + 3 for i in range(700)]
-    prompts = [system + [11 + i, 12, 13 + i] * (i + 1) for i in range(6)]
+    prompts = [system + [11 + i, 12, 13 + i] * (i % 6 + 1) for i in range(20)]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
-    def answers(graphs: bool) -> tuple[list[list[int]], list[int]]:
-        config = EngineConfig(model=path, device="cuda", kv_cache_bytes=KV_BYTES, max_num_seqs=8, max_model_len=1024,
+    class Counted:  # a graph whose replays are counted
+        def __init__(self, graph: torch.cuda.CUDAGraph) -> None:
+            self.graph, self.replays = graph, 0
+
+        def replay(self) -> None:
+            self.replays += 1
+            self.graph.replay()
+
+    def answers(graphs: bool) -> tuple[list[list[int]], list[int], int]:
+        config = EngineConfig(model=path, device="cuda", kv_cache_bytes=KV_BYTES, max_num_seqs=24, max_model_len=1024,
                               max_num_batched_tokens=512, cuda_graphs=graphs)  # fmt: skip
         engine = LLMEngine(config)
+        runner = engine.runner
+        assert runner.shared_decode_sizes == [24], runner.shared_decode_sizes  # 16 sequences split their walks
+        counted = None
+        if graphs:
+            graph, logits, argmax = runner.graphs[("shared", 24)]
+            counted = Counted(graph)
+            runner.graphs[("shared", 24)] = (counted, logits, argmax)  # type: ignore[assignment]
         engine.generate(prompts[:1], params)  # the prefix, cached
         told = record_shared_prefixes(engine)
         out = engine.generate(prompts, params)
-        del engine
+        del engine, runner
         torch.cuda.empty_cache()
-        return out, [shared for _, _, shared in told]
+        return out, [shared for _, _, shared in told], counted.replays if counted else -1
 
     for graphs in (True, False):
         with monkeypatch.context() as patch:
-            shared, told = answers(graphs)
+            shared, told, replays = answers(graphs)
             assert told[0] == 688  # 43 whole blocks of the 700-token prefix
+            assert told[-1] == 688  # and the last decode step's too
+            assert replays == -1 or replays >= 10, replays  # the decode steps of all 20, through the shared walk
             patch.setattr(model_runner, "SHARED_MIN", 1 << 30)
-            each, told = answers(graphs)
-            assert not any(told)
+            each, told, replays = answers(graphs)
+            assert not any(told) and replays in (-1, 0)
         assert shared == each
 
 

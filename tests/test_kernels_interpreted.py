@@ -303,7 +303,7 @@ def test_engine_kernels_of_llama3_8b_steps_spill_no_registers_and_pipeline_their
                          capture_output=True, text=True, timeout=900)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     steps = json.loads(out.read_text())["steps"]
-    assert len(steps) == 6
+    assert len(steps) == 7
     for step, launches in steps.items():
         kernels = {launch["kernel"] for launch in launches}
         assert {"_paged_attention", "_add_rms_norm", "_silu_mul", "_argmax_parts"} <= kernels, (step, kernels)

@@ -37,6 +37,9 @@ class StepBatch:
     # [1] int64: the first positions of every sequence that all of them hold in the same blocks and every query row
     # sees (prefix caching's shared prefix; 0 or None: none). CUDA: the kernel walks them for all rows at once.
     shared_prefix: torch.Tensor | None = None
+    # A decode step's launch compiled to walk the shared prefix once for several sequences (CUDA, where the runner
+    # finds it pays: engine/native/triton_attention.py, shared_decode_pays); steps with prompt rows always are.
+    decode_walks_shared: bool = False
     context_slots: list[torch.Tensor] | None = None  # CPU only: slots of each sequence's whole context
     query_lens: list[int] | None = None  # CPU only: the same counts, on the host
 

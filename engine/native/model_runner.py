@@ -2,8 +2,9 @@
 
 Inputs live in fixed buffers (pinned on the host, mirrored on the device), so every step, eager
 or graphed, reads the same tensors. On CUDA every graph is captured at start-up, before the
-worker reports ready: decode steps (one token per sequence) by batch size, and mixed steps
-(prompt chunks with decode tokens) by total tokens, with room for every sequence. Padding rows
+worker reports ready: decode steps (one token per sequence) by batch size, from as many sequences as walk a shared
+prefix faster once for several of them a second graph for that (``shared_decode_sizes``), and mixed steps (prompt
+chunks with decode tokens) by total tokens, with room for every sequence. Padding rows
 write their keys into the null block and belong to no sequence; padding sequences have no rows.
 
 ``run`` launches a step and returns without waiting for it: the engine stages the next step while the
@@ -21,7 +22,7 @@ import gc
 import itertools
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -50,6 +51,11 @@ def decode_buckets(max_seqs: int) -> list[int]:
 # A step's shared prefix (ModelRunner._shared_prefix) counts from this many positions: four of the attention kernel's
 # 64-position tiles.
 SHARED_MIN = 256
+# A decode step takes the shared prefix's walk (its own graph, on the batch sizes where it pays: shared_decode_pays)
+# only where its sequences' own positions past the prefix are at most an eighth of it: a program walks the prefix once
+# and then each of its DECODE_GROUP sequences' own positions in turn. On an H100, 64 sequences over a 2,000-position
+# prefix: 100 positions of their own, the shared walk 16% faster; 300, even (engine/native/triton_attention.py).
+SHARED_DECODE_OWN = 8
 
 # Mixed steps above this many tokens run eagerly (the default budget is 1,024). Up to it they replay a graph: an eager
 # step of Llama-3-8B holds the GIL for its ~400 kernel launches (on the H200 at 64 streams, eager 2,048-token steps
@@ -110,10 +116,21 @@ class ModelRunner:
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
         self.asynchronous = self.device.type == "cuda"  # run() returns before the device has done the step
         self.decode_sizes = decode_buckets(s)
+        # decode steps whose attention walks their shared prefix once for several sequences (a launch, and a graph, of
+        # their own): the batch sizes where that pays on this device
+        self._shared_decode_pays: Callable[[int], bool] = lambda seqs: False
+        if self.device.type == "cuda":
+            from engine.native.fused_ops import sm_count
+            from engine.native.triton_attention import shared_decode_pays
+
+            self._shared_decode_pays = functools.partial(shared_decode_pays, kv_heads=kv.k.shape[2],
+                                                         sms=sm_count(self.device), kv_dtype=kv.k.dtype)  # fmt: skip
+        self.shared_decode_sizes = [b for b in self.decode_sizes if self._shared_decode_pays(b)]
         self.mixed_sizes = mixed_buckets(self.max_tokens)
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.capture_parts: dict[str, float] = {}  # host seconds spent warming up, capturing, replaying graphs
         self.shared = 0  # the last staged step's shared prefix (StepBatch.shared_prefix)
+        self.own = 0  # and the most positions a sequence of it has past that prefix
 
     # -- inputs ----------------------------------------------------------------------------
 
@@ -153,7 +170,7 @@ class ModelRunner:
             self.host_tables_np[i, : len(table)] = table
             t += n
         real = len(step)
-        self.shared = self._shared_prefix(step) if t > real else 0  # steps with prompt rows only: decode's stay lean
+        self.shared, self.own = self._shared_prefix(step)
         h[o["shared"]] = self.shared
         tok[t:tokens] = 0
         pos[t:tokens] = 0
@@ -163,25 +180,30 @@ class ModelRunner:
         logits[real:seqs] = 0
         return copied
 
-    def _shared_prefix(self, step: list[Scheduled]) -> int:
-        """The positions the kernel walks for every query row of a step with prompt rows at once (engine/native/
-        triton_attention.py): the first whole blocks that all the step's sequences' staged tables hold alike, before
-        each one's rows. 0 unless there are at least SHARED_MIN of them and no sequence's own positions past them
-        outnumber them: a program walks those for each of its tile's sequences in turn (four decode rows'
-        sequences, or a 16-token block's)."""
+    def _shared_prefix(self, step: list[Scheduled]) -> tuple[int, int]:
+        """The positions the kernel walks for a tile of query rows of several sequences at once (engine/native/
+        triton_attention.py; a decode step's where _decode_walks_shared): the first whole blocks that all the step's
+        sequences' staged tables hold alike, before each one's rows. 0 unless there are at least SHARED_MIN of them
+        and no sequence's own positions past them outnumber them: a program walks those for each of its tile's
+        sequences in turn (four decode rows' sequences, or a 16-token block's). With the most positions a sequence
+        has past them (0, 0 for none)."""
         bs, seqs = self.block_size, len(step)
         width = min(work.start for work in step) // bs
         if seqs < 2 or width * bs < SHARED_MIN:
-            return 0
+            return 0, 0
         tables = self.host_tables_np[:seqs, :width]
         if (tables[:, 0] != tables[0, 0]).any():  # most steps that share nothing: ~7 us instead of ~25 on a slow CPU
-            return 0
+            return 0, 0
         alike = (tables == tables[0]).all(axis=0)
         shared = bs * (width if alike.all() else int(alike.argmin()))
-        longest = max(work.start + work.count for work in step)
-        return shared if shared >= SHARED_MIN and longest - shared <= shared else 0
+        own = max(work.start + work.count for work in step) - shared
+        return (shared, own) if shared >= SHARED_MIN and own <= shared else (0, 0)
 
-    def _batch(self, tokens: int, seqs: int, max_query_len: int) -> StepBatch:
+    def _decode_walks_shared(self, seqs: int) -> bool:
+        """Whether the decode step just staged, launched for ``seqs`` sequences, takes the shared prefix's walk."""
+        return self.shared > 0 and self.own * SHARED_DECODE_OWN <= self.shared and self._shared_decode_pays(seqs)
+
+    def _batch(self, tokens: int, seqs: int, max_query_len: int, decode_walks_shared: bool = False) -> StepBatch:
         o, m = self.offsets, self.meta
         return StepBatch(
             tokens=m[o["tokens"] : o["tokens"] + tokens],
@@ -194,6 +216,7 @@ class ModelRunner:
             max_query_len=max_query_len,
             block_size=self.block_size,
             shared_prefix=m[o["shared"] : o["shared"] + 1],
+            decode_walks_shared=decode_walks_shared,
         )
 
     def _upload(self, seqs: int, copied: int = 0, drawn: torch.Tensor | None = None) -> None:
@@ -230,6 +253,8 @@ class ModelRunner:
                 key = ("mixed", _bucket(self.mixed_sizes, tokens))
             n_tokens, n_seqs = (key[1], key[1]) if decode else (key[1], self.max_seqs)
             copied = self._stage(step, n_tokens, n_seqs)
+            if decode and self._decode_walks_shared(n_seqs):
+                key = ("shared", n_seqs)  # shared_decode_sizes: its graph was captured
             self._upload(n_seqs, copied, drawn)
             graph, logits, argmax = self.graphs[key]  # capture_all() made every one
             timing = StepTiming(self.device)
@@ -238,7 +263,7 @@ class ModelRunner:
             return StepOutput(logits[:seqs], argmax[:seqs], timing)
         copied = self._stage(step, tokens, seqs)
         self._upload(seqs, copied, drawn)
-        batch = self._batch(tokens, seqs, max(w.count for w in step))
+        batch = self._batch(tokens, seqs, max(w.count for w in step), decode and self._decode_walks_shared(seqs))
         if self.device.type == "cpu":
             self._host_metadata(batch, step)
         timing = StepTiming(self.device)
@@ -291,8 +316,8 @@ class ModelRunner:
         capture, and each free waits for the device, which another engine keeps busy on the fork path).
         """
         begin = time.perf_counter()
-        keys = sorted([("mixed", t) for t in self.mixed_sizes] + [("decode", b) for b in self.decode_sizes],
-                      key=lambda k: -k[1])  # fmt: skip
+        keys = sorted([("mixed", t) for t in self.mixed_sizes] + [("decode", b) for b in self.decode_sizes]
+                      + [("shared", b) for b in self.shared_decode_sizes], key=lambda k: -k[1])  # fmt: skip
         seen: set[str] = set()
         with _no_garbage_collection():
             for key in keys:
@@ -327,13 +352,13 @@ class ModelRunner:
         """Inputs for a graph's capture and first launch, written on the device in stream order: every
         row a query of one empty-context sequence in the null block."""
         kind, size = key
-        tokens, seqs, max_query_len = (size, size, 1) if kind == "decode" else (size, self.max_seqs, size)
+        tokens, seqs, max_query_len = (size, self.max_seqs, size) if kind == "mixed" else (size, size, 1)
         o, m = self.offsets, self.meta
         m.zero_()
         m[o["starts"] : o["starts"] + seqs + 1] = torch.arange(seqs + 1, device=self.device).clamp_(max=tokens)
         m[o["lengths"] : o["lengths"] + seqs] = 1
         self.tables[:seqs].zero_()
-        return self._batch(tokens, seqs, max_query_len)
+        return self._batch(tokens, seqs, max_query_len, decode_walks_shared=kind == "shared")
 
     def _capture(self, key: tuple[str, int], warm_up: bool) -> None:
         parts, t = self.capture_parts, time.perf_counter()

@@ -26,8 +26,9 @@ prefix caching shares; ``StepBatch.shared_prefix`` says how many positions, 0 fo
 a tile of rows of several sequences (_shared_prefix_rows: the prompt rows BLOCK_Q tokens at a time whatever their
 sequences, the decode rows DECODE_GROUP sequences at a time), then each of the tile's sequences' own positions for
 that sequence's rows. Per sequence, a decode row's GROUP heads take a tile of BLOCK_Q * GROUP rows of their own and a
-50-row question four 16-row blocks, every one of them walking the whole prefix. Decode launches keep a program per
-sequence.
+50-row question four 16-row blocks, every one of them walking the whole prefix. A decode launch over a shared prefix
+does the same with its rows, DECODE_GROUP sequences a program (its other programs return), rotating their queries and
+writing their keys as its walk a sequence does; split over programs (a few sequences), it walks each sequence.
 
 Metadata as engine/native/attention.py's StepBatch describes it; the torch version there is the reference.
 """
@@ -70,7 +71,7 @@ def _paged_attention(
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, SEQS_P2: tl.constexpr, DECODE_GROUP: tl.constexpr,
     USE_PDL: tl.constexpr, SPLITS: tl.constexpr = 1, ROPE_HEADS: tl.constexpr = 0, QUANTIZE: tl.constexpr = False,
-    OUT_DTYPE: tl.constexpr = tl.bfloat16, FP8_MAX: tl.constexpr = 448.0,
+    OUT_DTYPE: tl.constexpr = tl.bfloat16, FP8_MAX: tl.constexpr = 448.0, SHARED_WALK: tl.constexpr = True,
 ):  # fmt: skip
     kv_head = tl.program_id(1)
     qk_scale = scale * 1.4426950408889634  # exp2 below
@@ -82,15 +83,26 @@ def _paged_attention(
     acc = tl.zeros([BLOCK_Q * GROUP_P2, D_P2], dtype=tl.float32)
     if SEQS_P2 != 0:
         pdl_enter(USE_PDL)
-        # Whole tiles of the positions every sequence's rows see in the same blocks: a block of the step's rows,
-        # whatever sequences they belong to (engine/native/attention.py, StepBatch.shared_prefix).
+    # Whole tiles of the positions every sequence's rows see in the same blocks (engine/native/attention.py,
+    # StepBatch.shared_prefix): walked once for a tile of rows of several sequences, where the launch has that walk
+    # (shared_walk).
+    if SHARED_WALK:
         bulk = tl.load(shared_ptr) // BLOCK_N * BLOCK_N
         if bulk > 0:
-            _shared_prefix_rows(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr, query_start_ptr, bulk, seqs,
-                                stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_table,
-                                qk_scale, m_i, l_i, acc, GROUP, GROUP_P2, BLOCK_Q, BLOCK_N, PAGE, D, D_P2, SEQS_P2,
-                                DECODE_GROUP)  # fmt: skip
+            if SEQS_P2 == 0:
+                pdl_enter(USE_PDL)
+                _shared_prefix_decode(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr, query_start_ptr, cos_ptr,
+                                      sin_ptr, slot_ptr, out_scale_ptr, bulk, seqs, out_rows, stride_qt, stride_qh,
+                                      stride_ks, stride_kh, stride_ot, stride_oh, stride_table, qk_scale, m_i, l_i,
+                                      acc, GROUP, GROUP_P2, BLOCK_Q, BLOCK_N, PAGE, D, D_P2, DECODE_GROUP, ROPE_HEADS,
+                                      QUANTIZE, OUT_DTYPE, FP8_MAX)  # fmt: skip
+            else:
+                _shared_prefix_rows(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr, query_start_ptr, bulk,
+                                    seqs, stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh,
+                                    stride_table, qk_scale, m_i, l_i, acc, GROUP, GROUP_P2, BLOCK_Q, BLOCK_N, PAGE, D,
+                                    D_P2, SEQS_P2, DECODE_GROUP)  # fmt: skip
             return
+    if SEQS_P2 != 0:
         seq, q_block = _find_query_block(query_start_ptr, seqs, tl.program_id(0), BLOCK_Q, SEQS_P2)
     else:  # decode: program i is sequence i's one row
         seq = tl.program_id(0)
@@ -152,12 +164,8 @@ def _paged_attention(
         m_i, l_i, acc = _attend(q, q_pos, row_ok, m_i, l_i, acc, k_ptr, v_ptr, table, start, hi, kv_head,
                                 stride_ks, stride_kh, qk_scale, BLOCK_N, PAGE, D, D_P2, True, False)  # fmt: skip
     if QUANTIZE:  # one walk a decode row (D = GROUP): its heads quantized for o_proj here, as _merge_splits does
-        out = (acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]).to(OUT_DTYPE).to(tl.float32)
-        codes, out_scale = group_codes(out, FP8_MAX)
-        t = q_begin + q_index
-        tl.store(out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
-                 codes.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])  # fmt: skip
-        tl.store(out_scale_ptr + head * out_rows + t, out_scale, mask=row_ok)  # Quantized's strides (1, rows)
+        _store_quantized(out_ptr, out_scale_ptr, acc, l_i, q_begin, q_index, head, row_ok, dims, stride_ot,
+                         stride_oh, out_rows, OUT_DTYPE, FP8_MAX)  # fmt: skip
     elif SPLITS == 1:
         _store(out_ptr, acc, l_i, q_begin + q_index, head, row_ok, dims, dim_ok, stride_ot, stride_oh)
     else:  # the split's unnormalized sum and softmax state, [D sums, max, total] at out_ptr's row: _merge_splits
@@ -226,10 +234,7 @@ def _shared_prefix_rows(
     total = tl.load(query_start_ptr + seqs)  # the step's rows
     groups = tl.cdiv(seqs, DECODE_GROUP)
     if program < groups:
-        row_seq = program * DECODE_GROUP + slot
-        row_ok = head_ok & (slot < DECODE_GROUP) & (row_seq < seqs)
-        t = tl.load(query_start_ptr + row_seq, mask=row_ok, other=0).to(tl.int32)
-        row_ok = row_ok & (tl.load(query_start_ptr + row_seq + 1, mask=row_ok, other=0) - t == 1)
+        t, row_seq, row_ok = _decode_rows(query_start_ptr, seqs, program, slot, head_ok, DECODE_GROUP)
     else:
         t = (program - groups) * BLOCK_Q + slot
         index = tl.arange(0, SEQS_P2)
@@ -259,6 +264,87 @@ def _shared_prefix_rows(
                                     start, end, kv_head, stride_ks, stride_kh, qk_scale, BLOCK_N, PAGE, D, D_P2, True,
                                     True)  # fmt: skip
     _store(out_ptr, acc, l_i, t, head, row_ok, dims, dim_ok, stride_ot, stride_oh)
+
+
+@triton.jit
+def _shared_prefix_decode(
+    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr, query_start_ptr, cos_ptr, sin_ptr, slot_ptr, out_scale_ptr,
+    bulk, seqs, out_rows, stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_table, qk_scale,
+    m_i, l_i, acc, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, DECODE_GROUP: tl.constexpr, ROPE_HEADS: tl.constexpr,
+    QUANTIZE: tl.constexpr, OUT_DTYPE: tl.constexpr, FP8_MAX: tl.constexpr,
+):  # fmt: skip
+    """A program of a decode launch whose sequences share their first ``bulk`` positions (whole tiles): the decode
+    rows of DECODE_GROUP sequences (its grid has a program a sequence: those past the groups return), the prefix
+    walked once for all of them, then each one's own positions for its rows, with the decode walk's other work:
+    ROPE_HEADS, the rows' queries rotated here and each sequence's new key and value written before the walk reads
+    them (Rope); QUANTIZE, the output stored for o_proj (_store_quantized).
+
+    One loop of masked tiles: the prefix's, then the sequences' own in turn (a row sees its own sequence's only; one
+    whose sequence has no tile there sees nothing), so each row meets its keys in the order a walk of its own would,
+    and its output is the same to the bit. A loop for the prefix and another for the sequences' own positions (as
+    _shared_prefix_rows walks them) compiled, beside the walk a sequence, to 189-194 registers a thread on sm_90; this
+    one loop to ~150 (SHARED_DECODE_FILL)."""
+    program = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_Q * GROUP_P2)
+    slot = rows // GROUP_P2  # the row's sequence in the group
+    head = kv_head * GROUP + rows % GROUP_P2
+    t, row_seq, row_ok = _decode_rows(query_start_ptr, seqs, program, slot, rows % GROUP_P2 < GROUP, DECODE_GROUP)
+    if tl.max(row_ok.to(tl.int32), 0) == 0:
+        return
+    row_seq = tl.where(row_ok, row_seq, 0)
+    q_pos = tl.load(seq_lens_ptr + row_seq) - 1  # the row's position: its sequence's last
+    dims = tl.arange(0, D_P2)
+    dim_ok = dims < D
+    q_mask = row_ok[:, None] & dim_ok[None, :]
+    if ROPE_HEADS > 0:  # from the unrotated projection (D a power of two): each row at its token's angles
+        half = dims % (D // 2)
+        c = tl.load(cos_ptr + t[:, None] * (D // 2) + half[None, :], mask=row_ok[:, None], other=0.0)
+        s = tl.load(sin_ptr + t[:, None] * (D // 2) + half[None, :], mask=row_ok[:, None], other=0.0)
+        # each sequence's new key and value into the cache first (its rows' first head carries them once), as the
+        # decode walk's program whose walk ends at the token writes them
+        writes = row_ok & (rows % GROUP_P2 == 0)
+        token = q_ptr + t[:, None] * stride_qt
+        k = _rotated_heads(token + (ROPE_HEADS + kv_head) * D, dims[None, :], writes[:, None], c, s, D)
+        cache = tl.load(slot_ptr + t, mask=writes, other=0).to(tl.int64)[:, None] * stride_ks + kv_head * stride_kh
+        tl.store(k_ptr + cache + dims[None, :], k.to(k_ptr.dtype.element_ty), mask=writes[:, None])
+        value = tl.load(token + (ROPE_HEADS + tl.num_programs(1) + kv_head) * D + dims[None, :], mask=writes[:, None])
+        tl.store(v_ptr + cache + dims[None, :], value, mask=writes[:, None])
+        tl.debug_barrier()  # every thread of the program sees the stores before its loads below
+        q = _rotated_heads(q_ptr + t[:, None] * stride_qt + (head * D)[:, None], dims[None, :], q_mask, c, s, D)
+        q = q.to(OUT_DTYPE)
+    else:
+        q = tl.load(q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :], mask=q_mask, other=0.0)
+    q = _dot_operand(q, k_ptr)
+    first = program * DECODE_GROUP
+    prefix_tiles = bulk // BLOCK_N
+    own_tiles = tl.cdiv(tl.max(tl.where(row_ok, q_pos + 1, 0), 0) - bulk, BLOCK_N)  # the group's longest
+    for i in range(0, prefix_tiles + own_tiles * DECODE_GROUP):
+        own = i - prefix_tiles  # past the prefix: tile own // DECODE_GROUP of sequence own % DECODE_GROUP's own
+        shared = own < 0
+        seq = first + tl.where(shared, 0, own % DECODE_GROUP)
+        start = tl.where(shared, i * BLOCK_N, bulk + own // DECODE_GROUP * BLOCK_N)
+        end = tl.where(shared, bulk, tl.load(seq_lens_ptr + seq, mask=seq < seqs, other=0))
+        m_i, l_i, acc = _attend(q, q_pos, row_ok & (shared | (row_seq == seq)), m_i, l_i, acc, k_ptr, v_ptr,
+                                tables_ptr + seq * stride_table, start, end, kv_head, stride_ks, stride_kh, qk_scale,
+                                BLOCK_N, PAGE, D, D_P2, True, True)  # fmt: skip
+    if QUANTIZE:
+        _store_quantized(out_ptr, out_scale_ptr, acc, l_i, 0, t, head, row_ok, dims, stride_ot, stride_oh, out_rows,
+                         OUT_DTYPE, FP8_MAX)  # fmt: skip
+    else:
+        _store(out_ptr, acc, l_i, t, head, row_ok, dims, dim_ok, stride_ot, stride_oh)
+
+
+@triton.jit
+def _decode_rows(query_start_ptr, seqs, program, slot, head_ok, DECODE_GROUP: tl.constexpr):
+    """The decode rows a shared walk's ``program`` takes, DECODE_GROUP sequences' (``slot``: the row's sequence in the
+    group): each row's token, sequence and whether it is one (a sequence of the group with exactly one row)."""
+    row_seq = program * DECODE_GROUP + slot
+    row_ok = head_ok & (slot < DECODE_GROUP) & (row_seq < seqs)
+    t = tl.load(query_start_ptr + row_seq, mask=row_ok, other=0).to(tl.int32)
+    row_ok = row_ok & (tl.load(query_start_ptr + row_seq + 1, mask=row_ok, other=0) - t == 1)
+    return t, row_seq, row_ok
 
 
 @triton.jit
@@ -348,6 +434,20 @@ def _store(out_ptr, acc, l_i, t, head, row_ok, dims, dim_ok, stride_ot, stride_o
 
 
 @triton.jit
+def _store_quantized(out_ptr, scale_ptr, acc, l_i, first, rows, head, row_ok, dims, stride_ot, stride_oh, out_rows,
+                     OUT_DTYPE: tl.constexpr, FP8_MAX: tl.constexpr):  # fmt: skip
+    """Rows of one head each (D = GROUP), rounded to OUT_DTYPE and stored as o_proj's block-FP8 input: codes at
+    out_ptr's rows ``first + rows``, the scale of row t's group ``head`` at scale_ptr + head * out_rows + t
+    (Quantized's strides (1, rows)), as quantize_groups would quantize the rounded values."""
+    out = (acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]).to(OUT_DTYPE).to(tl.float32)
+    codes, out_scale = group_codes(out, FP8_MAX)
+    t = first + rows
+    tl.store(out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+             codes.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])  # fmt: skip
+    tl.store(scale_ptr + head * out_rows + t, out_scale, mask=row_ok)
+
+
+@triton.jit
 def _find_query_block(query_start_ptr, seqs, program, BLOCK_Q: tl.constexpr, SEQS_P2: tl.constexpr):
     """The sequence whose programs include ``program``, and which of its query blocks that program takes: sequence s's
     first program is query_start[s] // BLOCK_Q + s (increasing in s), read for every sequence in one load."""
@@ -382,6 +482,35 @@ def fp8_decode_registers(programs: int, sms: int) -> int | None:
     """The registers a thread that an fp8 cache's decode walk of ``programs`` programs is held to: FP8_DECODE_REGISTERS
     where the SMs would not hold them all at once at its own registers, else None (not held)."""
     return FP8_DECODE_REGISTERS if programs > FP8_DECODE_PROGRAMS_PER_SM * sms else None
+
+
+# A decode launch over a shared prefix (StepBatch.shared_prefix) walks it once for DECODE_GROUP sequences a program
+# (_shared_prefix_decode) where the runner asks it to: a launch compiled with that walk beside the walk a sequence
+# takes ~150 registers a thread on sm_90 where the walk alone takes ~110, 3 programs an SM instead of 4 (held to 128:
+# 80-88 bytes spilled, slower still), so that decode steps without a shared prefix keep a launch without it (a graph
+# of each: engine/native/model_runner.py). On an H100, llama3-8b's heads over 32 layers, the shared walk against a
+# walk a sequence (bench/attention_ab.py, the fifty-fourth session): 44 sequences at 2,100 positions, 2,000 of them
+# shared, 2,284-2,345 against 2,731 us; 64: 2,302 against 2,757; 128: 2,572-2,624 against 5,433; 128 at 612, 512
+# shared: 1,288 against 1,910. It loses where its groups leave SMs idle (24 and 32 sequences at 2,100: 2,266-2,281
+# against 1,900-1,990) or where the sequences' own positions outweigh what it saves (64 at 2,300: 3,087-3,152 against
+# 3,150; 64 at 456, 256 shared: 1,383 against 1,026).
+SHARED_DECODE_FILL = 2 / 3  # groups x KV heads at least this many SMs' worth of programs
+SHARED_DECODE_OWN = 8  # the sequences' own positions (the longest) at most an eighth of the shared prefix
+
+
+def shared_decode_pays(seqs: int, kv_heads: int, sms: int, kv_dtype: torch.dtype) -> bool:
+    """Whether a decode launch of ``seqs`` sequences (padding ones included) may take the shared walk: over a bf16
+    cache (over an fp8 one the walk beside it would spill the walk a sequence's registers), not split over programs
+    (launch_shape), with enough groups of DECODE_GROUP sequences to fill SHARED_DECODE_FILL of the SMs."""
+    programs = seqs * kv_heads
+    return (kv_dtype != KV_FP8 and launch_shape(1, 1, programs, sms).splits == 1
+            and seqs // DECODE_GROUP * kv_heads >= SHARED_DECODE_FILL * sms)  # fmt: skip
+
+
+def shared_walk(batch: StepBatch, splits: int, kv_dtype: torch.dtype) -> bool:
+    """Whether a launch is compiled with the shared prefix's walk: every launch of a step with prompt rows; a decode
+    launch where the runner asks it (StepBatch.decode_walks_shared), over a bf16 cache and not split."""
+    return batch.max_query_len > 1 or (batch.decode_walks_shared and splits == 1 and kv_dtype != KV_FP8)
 
 
 def launch_shape(group: int, max_query_len: int, programs: int, sms: int) -> Launch:
@@ -480,6 +609,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         BLOCK_N=block_n, PAGE=batch.block_size, D=d, D_P2=triton.next_power_of_2(d), SEQS_P2=seqs_p2,
         DECODE_GROUP=min(decode_group, block_q), USE_PDL=pdl, SPLITS=splits, ROPE_HEADS=rope.heads if rope else 0,
         QUANTIZE=quantized is not None and splits == 1, OUT_DTYPE=_TL_DTYPES[q.dtype], FP8_MAX=FP8_MAX,
+        SHARED_WALK=shared_walk(batch, splits, k_cache.dtype),
         num_warps=num_warps or launch.num_warps, num_stages=num_stages or launch.num_stages, launch_pdl=pdl,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
