@@ -487,13 +487,13 @@ def fp8_decode_registers(programs: int, sms: int) -> int | None:
 # A decode launch over a shared prefix (StepBatch.shared_prefix) walks it once for DECODE_GROUP sequences a program
 # (_shared_prefix_decode) where the runner asks it to: a launch compiled with that walk beside the walk a sequence
 # takes ~150 registers a thread on sm_90 where the walk alone takes ~110, 3 programs an SM instead of 4 (held to 128:
-# 80-88 bytes spilled, slower still), so that decode steps without a shared prefix keep a launch without it (a graph
-# of each: engine/native/model_runner.py). On an H100, llama3-8b's heads over 32 layers, the shared walk against a
-# walk a sequence (bench/attention_ab.py, the fifty-fourth session): 44 sequences at 2,100 positions, 2,000 of them
-# shared, 2,284-2,345 against 2,731 us; 64: 2,302 against 2,757; 128: 2,572-2,624 against 5,433; 128 at 612, 512
-# shared: 1,288 against 1,910. It loses where its groups leave SMs idle (24 and 32 sequences at 2,100: 2,266-2,281
-# against 1,900-1,990) or where the sequences' own positions outweigh what it saves (64 at 2,300: 3,087-3,152 against
-# 3,150; 64 at 456, 256 shared: 1,383 against 1,026).
+# 80-88 bytes spilled, slower still), so decode steps without a shared prefix keep a launch without it (a graph of
+# each: engine/native/model_runner.py) and compile to main's instructions. On an H100, llama3-8b's heads over 32 layers,
+# the shared walk against a walk a sequence (bench/attention_ab.py, bench/results/gpu_h100_s54_attention_*.json): 44
+# sequences at 2,100 positions, 2,000 of them shared, 2,332-2,339 against 2,791-2,813 us; 64: 2,346 against 2,813;
+# 128: 2,609-2,626 against 5,548; 128 at 612, 512 shared: 1,298-1,301 against 1,942. It loses where its groups leave
+# SMs idle (24 and 32 sequences at 2,100: 2,311-2,330 against 1,941-2,015) or where the sequences' own positions
+# outweigh what it saves (64 at 2,300: 3,144-3,160 against 3,205-3,216; 64 at 456, 256 shared: 1,400 against 1,036).
 SHARED_DECODE_FILL = 2 / 3  # groups x KV heads at least this many SMs' worth of programs
 SHARED_DECODE_OWN = 8  # the sequences' own positions (the longest) at most an eighth of the shared prefix
 
