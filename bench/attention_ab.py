@@ -10,7 +10,8 @@ show REV:engine/native/triton_attention.py``) timed beside the working tree's, t
 difference of their outputs from the current kernel's. ``--launches n32_r168,dg8,...``: launch choices of LAUNCHES tried
 too on the steps with prompt rows and those that walk a shared prefix once (decode's ``as_mixed``); ``--splits
 unsplit,split8,...``: decode steps without a shared prefix with their positions split over other numbers of programs
-(SPLITS); ``--cases decode``: only the cases whose names start so.
+(SPLITS); ``--cases decode``: only the cases whose names start so; ``--engine-parts``: decode's ``engine`` launch also
+with only its rotation and writes (``engine_rope``) and only its quantized output (``engine_quantize``).
 
     PYTHONPATH=/tmp/site:$PWD python3 bench/attention_ab.py --out $OUT/ab.json [--baseline /tmp/old_attention.py]
 """
@@ -154,6 +155,7 @@ def main() -> None:
     parser.add_argument("--launches", default="", help="names from LAUNCHES, comma-separated")
     parser.add_argument("--splits", default="", help="names from SPLITS, comma-separated")
     parser.add_argument("--cases", default="", help="only the cases whose names start with one of these, e.g. decode")
+    parser.add_argument("--engine-parts", action="store_true", help="decode's engine launch with one part each too")
     args = parser.parse_args()
     launches = {name: LAUNCHES[name] for name in filter(None, args.launches.split(","))}
     splits = {name: SPLITS[name] for name in filter(None, args.splits.split(","))}
@@ -185,6 +187,13 @@ def main() -> None:
             variants["engine"] = (current, batch, as_engine, qkv)
             if shared:
                 variants["engine_per_sequence"] = (current, per_sequence, as_engine, qkv)
+            if args.engine_parts:  # the engine's launch with one of its two parts: rotating and writing, quantizing
+                rope_only = {"rope": as_engine["rope"]}
+                variants["engine_rope"] = (current, batch, rope_only, qkv)
+                variants["engine_quantize"] = (current, batch, {"quantize_rows": rows}, q)
+                if shared:
+                    variants["engine_rope_per_sequence"] = (current, per_sequence, rope_only, qkv)
+                    variants["engine_quantize_per_sequence"] = (current, per_sequence, {"quantize_rows": rows}, q)
         if shared or batch.max_query_len > 1:  # steps with prompt rows, and decode rows walked with them
             walked_once = "as_mixed" if batch.max_query_len == 1 else "current"
             for choice, choices in launches.items():
@@ -207,7 +216,7 @@ def main() -> None:
                 row[f"{label}_us" + ("_again" if turn else "")] = round(graphed_us(step, 5), 1)
         first = current.paged_attention(q, *caches[0], batch, DIM**-0.5).float()
         for label, (kernel, meta, choices, query) in variants.items():
-            if label != "current" and query is q:
+            if label != "current" and query is q and "quantize_rows" not in choices:
                 other = kernel.paged_attention(q, *caches[0], meta, DIM**-0.5, **choices).float()
                 row[f"{label}_max_abs_difference"] = float((first - other).abs().max())
                 row[f"{label}_identical"] = bool(torch.equal(first, other))
