@@ -500,8 +500,10 @@ SHARED_DECODE_OWN = 8  # the sequences' own positions (the longest) at most an e
 
 def shared_decode_pays(seqs: int, kv_heads: int, sms: int, kv_dtype: torch.dtype) -> bool:
     """Whether a decode launch of ``seqs`` sequences (padding ones included) may take the shared walk: over a bf16
-    cache (over an fp8 one the walk beside it would spill the walk a sequence's registers), not split over programs
-    (launch_shape), with enough groups of DECODE_GROUP sequences to fill SHARED_DECODE_FILL of the SMs."""
+    cache, not split over programs (launch_shape), with enough groups of DECODE_GROUP sequences to fill
+    SHARED_DECODE_FILL of the SMs. Over an fp8 cache it is not measured yet: compiled for sm_90 it takes 243-247
+    registers a thread without spilling (2 programs an SM), and fp8_decode_registers, which holds a decode launch of
+    more programs than that to 128, would have to leave it alone."""
     programs = seqs * kv_heads
     return (kv_dtype != KV_FP8 and launch_shape(1, 1, programs, sms).splits == 1
             and seqs // DECODE_GROUP * kv_heads >= SHARED_DECODE_FILL * sms)  # fmt: skip
