@@ -129,6 +129,34 @@ def test_an_fp8_caches_decode_walk_is_held_to_fewer_registers_only_where_its_gri
         1: False, 2: False, 4: True, 16: True, 32: False, 33: False, 34: True, 64: True, 128: True}  # fmt: skip
 
 
+def test_a_decode_step_walks_its_shared_prefix_once_only_where_that_pays() -> None:
+    """shared_decode_pays: llama3-8b's 8 KV heads on 132 SMs take the shared walk from 44 sequences (11 groups of four
+    x 8 heads: 2/3 of the SMs), none over an fp8 cache (not measured); so the runner captures its graphs at the
+    decode buckets 48 and up. And a step takes it only over a prefix at least eight times its sequences' own
+    positions (SHARED_DECODE_OWN), at those batch sizes."""
+    import torch
+
+    from engine.native.model_runner import ModelRunner, decode_buckets
+    from engine.native.triton_attention import shared_decode_pays
+
+    bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
+    assert [b for b in decode_buckets(128) if shared_decode_pays(b, 8, 132, bf16)] == [48, 64, 96, 128]
+    assert [b for b in decode_buckets(256) if shared_decode_pays(b, 8, 132, bf16)] == [48, 64, 96, 128, 192, 256]
+    assert shared_decode_pays(44, 8, 132, bf16) and not shared_decode_pays(43, 8, 132, bf16)
+    assert not any(shared_decode_pays(b, 8, 132, fp8) for b in decode_buckets(256))
+
+    class Staged:  # what _decode_walks_shared reads of a runner that has staged a step
+        def __init__(self, shared: int, own: int) -> None:
+            self.shared, self.own = shared, own
+            self._shared_decode_pays = lambda seqs: shared_decode_pays(seqs, 8, 132, bf16)
+
+    def walks(shared: int, own: int, seqs: int) -> bool:
+        return ModelRunner._decode_walks_shared(Staged(shared, own), seqs)  # type: ignore[arg-type]
+
+    assert walks(2000, 100, 64) and walks(2000, 250, 64) and walks(512, 64, 128)
+    assert not walks(2000, 251, 64) and not walks(2000, 100, 32) and not walks(0, 0, 64) and not walks(512, 100, 128)
+
+
 def test_split_k_makes_enough_programs_and_keeps_its_planes_within_a_quarter_of_the_weight() -> None:
     """k_splits: the fewest splits dividing the K blocks (at most MAX_SPLIT) that make 2.5 programs an SM, of those
     whose split-K planes (splits x m x N x 4 bytes) stay within a quarter of the weight's N x K bytes and whose

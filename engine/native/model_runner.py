@@ -2,9 +2,9 @@
 
 Inputs live in fixed buffers (pinned on the host, mirrored on the device), so every step, eager
 or graphed, reads the same tensors. On CUDA every graph is captured at start-up, before the
-worker reports ready: decode steps (one token per sequence) by batch size, from as many sequences as walk a shared
-prefix faster once for several of them a second graph for that (``shared_decode_sizes``), and mixed steps (prompt
-chunks with decode tokens) by total tokens, with room for every sequence. Padding rows
+worker reports ready: decode steps (one token per sequence) by batch size, and mixed steps (prompt chunks with decode
+tokens) by total tokens, with room for every sequence. At the batch sizes where walking a shared prefix once for
+several sequences pays (``shared_decode_sizes``), decode steps have a second graph that walks it so. Padding rows
 write their keys into the null block and belong to no sequence; padding sequences have no rows.
 
 ``run`` launches a step and returns without waiting for it: the engine stages the next step while the

@@ -494,8 +494,8 @@ def fp8_decode_registers(programs: int, sms: int) -> int | None:
 # 128: 2,609-2,626 against 5,548; 128 at 612, 512 shared: 1,298-1,301 against 1,942. It loses where its groups leave
 # SMs idle (24 and 32 sequences at 2,100: 2,311-2,330 against 1,941-2,015) or where the sequences' own positions
 # outweigh what it saves (64 at 2,300: 3,144-3,160 against 3,205-3,216; 64 at 456, 256 shared: 1,400 against 1,036).
+# The runner keeps a step on the walk a sequence where its sequences' own positions are long (SHARED_DECODE_OWN).
 SHARED_DECODE_FILL = 2 / 3  # groups x KV heads at least this many SMs' worth of programs
-SHARED_DECODE_OWN = 8  # the sequences' own positions (the longest) at most an eighth of the shared prefix
 
 
 def shared_decode_pays(seqs: int, kv_heads: int, sms: int, kv_dtype: torch.dtype) -> bool:
