@@ -92,10 +92,9 @@ def _paged_attention(
             if SEQS_P2 == 0:
                 pdl_enter(USE_PDL)
                 _shared_prefix_decode(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr, query_start_ptr, cos_ptr,
-                                      sin_ptr, slot_ptr, out_scale_ptr, bulk, seqs, out_rows, stride_qt, stride_qh,
-                                      stride_ks, stride_kh, stride_ot, stride_oh, stride_table, qk_scale, m_i, l_i,
-                                      acc, GROUP, GROUP_P2, BLOCK_Q, BLOCK_N, PAGE, D, D_P2, DECODE_GROUP, ROPE_HEADS,
-                                      QUANTIZE, OUT_DTYPE, FP8_MAX)  # fmt: skip
+                                      sin_ptr, slot_ptr, bulk, seqs, stride_qt, stride_qh, stride_ks, stride_kh,
+                                      stride_ot, stride_oh, stride_table, qk_scale, m_i, l_i, acc, GROUP, GROUP_P2,
+                                      BLOCK_Q, BLOCK_N, PAGE, D, D_P2, DECODE_GROUP, ROPE_HEADS, OUT_DTYPE)  # fmt: skip
             else:
                 _shared_prefix_rows(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr, query_start_ptr, bulk,
                                     seqs, stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh,
@@ -268,17 +267,17 @@ def _shared_prefix_rows(
 
 @triton.jit
 def _shared_prefix_decode(
-    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr, query_start_ptr, cos_ptr, sin_ptr, slot_ptr, out_scale_ptr,
-    bulk, seqs, out_rows, stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_table, qk_scale,
-    m_i, l_i, acc, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr, query_start_ptr, cos_ptr, sin_ptr, slot_ptr, bulk, seqs,
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_table, qk_scale, m_i, l_i, acc,
+    GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, DECODE_GROUP: tl.constexpr, ROPE_HEADS: tl.constexpr,
-    QUANTIZE: tl.constexpr, OUT_DTYPE: tl.constexpr, FP8_MAX: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
 ):  # fmt: skip
     """A program of a decode launch whose sequences share their first ``bulk`` positions (whole tiles): the decode
     rows of DECODE_GROUP sequences (its grid has a program a sequence: those past the groups return), the prefix
     walked once for all of them, then each one's own positions for its rows, with the decode walk's other work:
     ROPE_HEADS, the rows' queries rotated here and each sequence's new key and value written before the walk reads
-    them (Rope); QUANTIZE, the output stored for o_proj (_store_quantized).
+    them (Rope). Its output stays in OUT_DTYPE (paged_attention: quantized by quantize_groups).
 
     One loop of masked tiles: the prefix's, then the sequences' own in turn (a row sees its own sequence's only; one
     whose sequence has no tile there sees nothing), so each row meets its keys in the order a walk of its own would,
@@ -329,11 +328,7 @@ def _shared_prefix_decode(
         m_i, l_i, acc = _attend(q, q_pos, row_ok & (shared | (row_seq == seq)), m_i, l_i, acc, k_ptr, v_ptr,
                                 tables_ptr + seq * stride_table, start, end, kv_head, stride_ks, stride_kh, qk_scale,
                                 BLOCK_N, PAGE, D, D_P2, True, True)  # fmt: skip
-    if QUANTIZE:
-        _store_quantized(out_ptr, out_scale_ptr, acc, l_i, 0, t, head, row_ok, dims, stride_ot, stride_oh, out_rows,
-                         OUT_DTYPE, FP8_MAX)  # fmt: skip
-    else:
-        _store(out_ptr, acc, l_i, t, head, row_ok, dims, dim_ok, stride_ot, stride_oh)
+    _store(out_ptr, acc, l_i, t, head, row_ok, dims, dim_ok, stride_ot, stride_oh)
 
 
 @triton.jit
@@ -585,8 +580,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     # Decode hands o_proj its input quantized where asked: from the merge, or above SMALL_ROWS rows (launches without
     # PDL, where a launch fewer shows) from the one walk's own store. On an H100 at 128 rows 6.231 -> 6.179 ms a step;
     # at 64, where quantize_groups starts early, 4.681 -> 4.699 (bench/results/gpu_h100_decode_quant_planes_s43.json).
+    # The shared walk's own store does not: at 128 rows on an H100 it cost that walk ~530 us a step against ~48 for
+    # quantize_groups (bench/results/gpu_h100_s54_attention_engine_parts.json).
+    walks_shared = shared_walk(batch, splits, k_cache.dtype)
     quantized = quantized_like(out.view(t, heads * d), t) if (
-        quantize_rows == t and d == GROUP and batch.max_query_len == 1 and (splits > 1 or t > SMALL_ROWS)
+        quantize_rows == t and d == GROUP and batch.max_query_len == 1
+        and (splits > 1 or (t > SMALL_ROWS and not walks_shared))
     ) else None  # fmt: skip
     # split: each program's partial sums and softmax state, [T, heads, splits, d + 2] (fp32), then merged into out
     if splits > 1:
@@ -611,7 +610,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         BLOCK_N=block_n, PAGE=batch.block_size, D=d, D_P2=triton.next_power_of_2(d), SEQS_P2=seqs_p2,
         DECODE_GROUP=min(decode_group, block_q), USE_PDL=pdl, SPLITS=splits, ROPE_HEADS=rope.heads if rope else 0,
         QUANTIZE=quantized is not None and splits == 1, OUT_DTYPE=_TL_DTYPES[q.dtype], FP8_MAX=FP8_MAX,
-        SHARED_WALK=shared_walk(batch, splits, k_cache.dtype),
+        SHARED_WALK=walks_shared,
         num_warps=num_warps or launch.num_warps, num_stages=num_stages or launch.num_stages, launch_pdl=pdl,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
