@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import engine.native.triton_attention as current
 from bench.gpu_step_profile import graphed_us
 from engine.native.attention import StepBatch
+from engine.native.triton_fp8 import quantize_groups
 
 HEADS, KV_HEADS, DIM, LAYERS, PAGE, PREFIX = 32, 8, 128, 32, 16, 2000
 CHUNKS = [(PREFIX + 50, 50)] * 20  # 20 questions of 50 tokens after a cached 2,000-token system prompt
@@ -134,9 +135,11 @@ def engine_decode(batch: StepBatch, rows: int, device: torch.device) -> tuple[to
 
 def engine_output(kernel: ModuleType, meta: StepBatch, choices: dict[str, Any], qkv: torch.Tensor,
                   caches: tuple[torch.Tensor, torch.Tensor]) -> list[torch.Tensor]:  # fmt: skip
-    """A decode launch's output as bytes: o_proj's codes and scales where it quantized them, else its values."""
+    """A decode launch's output as o_proj takes it, as bytes: its codes and scales, quantized by the launch or, where
+    the launch left it unquantized, by quantize_groups as the model does."""
     out = kernel.paged_attention(qkv, *caches, meta, DIM**-0.5, **choices)
-    parts = (out.q, out.scale) if isinstance(out, current.Quantized) else (out,)
+    rows = choices["quantize_rows"]
+    parts = (out.q, out.scale) if isinstance(out, current.Quantized) else quantize_groups(out, rows)
     return [part.contiguous().view(torch.uint8) for part in parts]
 
 

@@ -163,8 +163,12 @@ def _paged_attention(
         m_i, l_i, acc = _attend(q, q_pos, row_ok, m_i, l_i, acc, k_ptr, v_ptr, table, start, hi, kv_head,
                                 stride_ks, stride_kh, qk_scale, BLOCK_N, PAGE, D, D_P2, True, False)  # fmt: skip
     if QUANTIZE:  # one walk a decode row (D = GROUP): its heads quantized for o_proj here, as _merge_splits does
-        _store_quantized(out_ptr, out_scale_ptr, acc, l_i, q_begin, q_index, head, row_ok, dims, stride_ot,
-                         stride_oh, out_rows, OUT_DTYPE, FP8_MAX)  # fmt: skip
+        out = (acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]).to(OUT_DTYPE).to(tl.float32)
+        codes, out_scale = group_codes(out, FP8_MAX)
+        t = q_begin + q_index
+        tl.store(out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+                 codes.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])  # fmt: skip
+        tl.store(out_scale_ptr + head * out_rows + t, out_scale, mask=row_ok)  # Quantized's strides (1, rows)
     elif SPLITS == 1:
         _store(out_ptr, acc, l_i, q_begin + q_index, head, row_ok, dims, dim_ok, stride_ot, stride_oh)
     else:  # the split's unnormalized sum and softmax state, [D sums, max, total] at out_ptr's row: _merge_splits
@@ -426,20 +430,6 @@ def _store(out_ptr, acc, l_i, t, head, row_ok, dims, dim_ok, stride_ot, stride_o
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])  # fmt: skip
-
-
-@triton.jit
-def _store_quantized(out_ptr, scale_ptr, acc, l_i, first, rows, head, row_ok, dims, stride_ot, stride_oh, out_rows,
-                     OUT_DTYPE: tl.constexpr, FP8_MAX: tl.constexpr):  # fmt: skip
-    """Rows of one head each (D = GROUP), rounded to OUT_DTYPE and stored as o_proj's block-FP8 input: codes at
-    out_ptr's rows ``first + rows``, the scale of row t's group ``head`` at scale_ptr + head * out_rows + t
-    (Quantized's strides (1, rows)), as quantize_groups would quantize the rounded values."""
-    out = (acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]).to(OUT_DTYPE).to(tl.float32)
-    codes, out_scale = group_codes(out, FP8_MAX)
-    t = first + rows
-    tl.store(out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
-             codes.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])  # fmt: skip
-    tl.store(scale_ptr + head * out_rows + t, out_scale, mask=row_ok)
 
 
 @triton.jit
