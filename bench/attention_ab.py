@@ -9,9 +9,10 @@ beside it over a shared prefix). ``--baseline FILE``: a second copy of engine/na
 show REV:engine/native/triton_attention.py``) timed beside the working tree's, twice each in turn, with the largest
 difference of their outputs from the current kernel's. ``--launches n32_r168,dg8,...``: launch choices of LAUNCHES tried
 too on the steps with prompt rows and those that walk a shared prefix once (decode's ``as_mixed``); ``--splits
-unsplit,split8,...``: decode steps without a shared prefix with their positions split over other numbers of programs
-(SPLITS); ``--cases decode``: only the cases whose names start so; ``--engine-parts``: decode's ``engine`` launch also
-with only its rotation and writes (``engine_rope``) and only its quantized output (``engine_quantize``).
+unsplit,split8,...``: decode steps with their positions split over other numbers of programs (SPLITS; over a shared
+prefix, the walk a sequence so split); ``--cases decode``: only the cases whose names start so; ``--engine-parts``:
+decode's ``engine`` launch also with only its rotation and writes (``engine_rope``) and only its quantized output
+(``engine_quantize``).
 
     PYTHONPATH=/tmp/site:$PWD python3 bench/attention_ab.py --out $OUT/ab.json [--baseline /tmp/old_attention.py]
 """
@@ -62,6 +63,12 @@ CASES: dict[str, tuple[list[tuple[int, int]], int]] = {
     "decode 8 at 1,000": ([(1000, 1)] * 8, 0),
     "decode 16 at 300": ([(300, 1)] * 16, 0),
     "decode 16 at 2,000": ([(2000, 1)] * 16, 0),
+    "decode 24 at 300": ([(300, 1)] * 24, 0),
+    "decode 24 at 1,300": ([(1300, 1)] * 24, 0),
+    "decode 32 at 300": ([(300, 1)] * 32, 0),
+    "decode 32 at 1,300": ([(1300, 1)] * 32, 0),
+    "decode 32 at 2,100": ([(2100, 1)] * 32, 0),
+    "decode 48 at 1,300": ([(1300, 1)] * 48, 0),
     "fresh 1 x 1,024": ([(1024, 1024)], 0),
     "fresh 4 x 512": ([(512, 512)] * 4, 0),
 }
@@ -83,11 +90,12 @@ LAUNCHES: dict[str, dict[str, int]] = {
     "q32_w8_n128": {"block_q": 32, "num_warps": 8, "block_n": 128},
     "q32_w8_r255": {"block_q": 32, "num_warps": 8, "maxnreg": 255},
 }
-# Decode steps of a few sequences (fewer programs, a program a sequence and KV head, than SMs) with their positions
-# split over other numbers of programs than launch_shape's (split_kv), for the steps without a shared prefix; and
-# "unsplit", the launch launch_shape made before it split them (256-position tiles with 8 warps).
+# Decode steps with their positions split over other numbers of programs than launch_shape's (split_kv; "split1": not
+# split), over a shared prefix the walk a sequence so split (``per_sequence_split2``, ...); and "unsplit", the launch
+# launch_shape made before it split them (256-position tiles with 8 warps).
 SPLITS: dict[str, dict[str, int]] = {
     "unsplit": {"split_kv": 1, "block_n": 256, "num_warps": 8},
+    "split1": {"split_kv": 1},
     "split2": {"split_kv": 2},
     "split4": {"split_kv": 4},
     "split8": {"split_kv": 8},
@@ -201,9 +209,10 @@ def main() -> None:
             walked_once = "as_mixed" if batch.max_query_len == 1 else "current"
             for choice, choices in launches.items():
                 variants[f"{walked_once}+{choice}"] = (current, variants[walked_once][1], choices, q)
-        if batch.max_query_len == 1 and not shared:
+        if batch.max_query_len == 1:  # over a shared prefix: the walk a sequence so split
             for choice, choices in splits.items():
-                variants[choice] = (current, batch, choices, q)
+                label, meta = (f"per_sequence_{choice}", per_sequence) if shared else (choice, batch)
+                variants[label] = (current, meta, choices, q)
         if baseline:
             variants["baseline"] = (baseline, batch, {}, q)
         row: dict[str, float | bool] = {}
